@@ -1,0 +1,28 @@
+"""Five attention variants behind one interface: ``attn(q, k, v, causal=False)`` on (B, H, N, D).
+
+    >>> import variants
+    >>> attn = variants.build("sliding_window", window=64)
+    >>> out = attn(q, k, v, causal=True)
+
+From Hydra, ``conf/variant/<name>.yaml`` holds ``_target_: variants.<Class>`` and the options.
+"""
+
+from .base import Attention, Flops, VariantError, dense_attention
+from .blockwise import Blockwise
+from .full import Full
+from .linear import Linear
+from .sliding_window import SlidingWindow
+from .sparse import Sparse
+
+REGISTRY: dict[str, type[Attention]] = {cls.name: cls for cls in (Full, Sparse, Blockwise, SlidingWindow, Linear)}
+
+
+def build(name: str, **options) -> Attention:
+    """Builds a variant by name; unknown names and options raise VariantError naming the allowed ones."""
+    if name not in REGISTRY:
+        raise VariantError(f"unknown variant {name!r}; allowed: {', '.join(REGISTRY)}")
+    return REGISTRY[name](**options)
+
+
+__all__ = ["Attention", "Flops", "VariantError", "REGISTRY", "build", "dense_attention",
+           "Full", "Sparse", "Blockwise", "SlidingWindow", "Linear"]

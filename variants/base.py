@@ -1,0 +1,162 @@
+"""The one interface every attention variant implements.
+
+A variant is an ``nn.Module`` called as ``attn(q, k, v, causal=False)`` on ``(B, H, N, D)`` tensors. It
+holds only the attention maths; projections (Wq, Wk, Wv, Wo) live in the shared wrapper of the model
+that uses it. Each variant declares a closed, typed ``Options`` dataclass (a misspelt option fails,
+naming it) and the facts the harness and tests read instead of guessing: causal support, exactness,
+backends, analytic FLOPs and memory, density.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+
+class VariantError(ValueError):
+    """Bad configuration or input. The message is one line naming the problem and the allowed values."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise VariantError(message)
+
+
+@dataclass(frozen=True)
+class Flops:
+    """Forward FLOPs of one call. ``executed`` counts what the backend computes (whole blocks, padding,
+    masked entries); ``useful`` counts only allowed (query, key) pairs. Backward is 2.5x forward
+    (flash-attention's convention)."""
+
+    executed: int
+    useful: int
+
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """softmax(q kᵀ·scale, masked to -inf where ``mask`` is False) v, materialising the N×N scores.
+
+    The readable path and, called on float64 copies, the test oracle. ``mask``: (N, N) or (H, N, N) bool.
+    """
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, N, N)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
+    return scores.softmax(dim=-1) @ v  # (B, H, N, D)
+
+
+def causal_mask(seq_len: int, device: torch.device | str | None = None) -> Tensor:
+    i = torch.arange(seq_len, device=device)
+    return i[None, :] <= i[:, None]  # (N, N): j ≤ i
+
+
+class Attention(nn.Module):
+    """Base class. Subclasses set ``name``, ``Options``, ``backends`` and implement ``_attend``."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type]
+    # backend name -> needs CUDA. The first one is the default when ``backend`` is not given.
+    backends: ClassVar[dict[str, bool]]
+    supports_causal: ClassVar[bool] = True
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        fields = [f.name for f in dataclasses.fields(self.Options)]
+        unknown = sorted(set(options) - set(fields))
+        require(not unknown, f"{self.name}: unknown option {', '.join(map(repr, unknown))}; "
+                             f"allowed: {', '.join(fields)}")
+        self.options = self.Options(**options)
+        allowed = self.backend_names()
+        backend = self.options.backend
+        require(backend is None or backend in allowed,
+                f"{self.name}: unknown backend {backend!r}; allowed: {', '.join(allowed)}")
+        self._backend = allowed[0] if backend is None else backend
+
+    # ----- facts -----------------------------------------------------------------------------------
+    def backend_names(self) -> list[str]:
+        return list(self.backends)
+
+    @property
+    def backend(self) -> str:
+        """The backend this instance runs (the option, or the first of ``backend_names()``)."""
+        return self._backend
+
+    @property
+    def is_exact(self) -> bool:
+        """True when the variant computes the same function as ``full``."""
+        return False
+
+    def available_backends(self, device: torch.device | str) -> list[str]:
+        cuda = torch.device(device).type == "cuda"
+        return [b for b in self.backend_names() if cuda or not self.backends[b]]
+
+    def mask(self, seq_len: int, causal: bool = False) -> Tensor | None:
+        """Dense bool (N, N) mask of allowed (query, key) pairs: the test oracle, never the fast path."""
+        raise NotImplementedError
+
+    def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
+        """Number of (query, key) pairs whose scores the variant's function uses, per (batch, head)."""
+        m = self.mask(seq_len, causal)
+        return int(m.sum()) // (m.shape[0] if m.dim() == 3 else 1)
+
+    def density(self, seq_len: int, causal: bool = False) -> float:
+        """Used score entries over N²: 1 for full, about 1/2 for full causal."""
+        return self.allowed_pairs(seq_len, causal) / seq_len**2
+
+    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False) -> Flops:
+        useful = 4 * B * H * D * self.allowed_pairs(N, causal)
+        return Flops(executed=4 * B * H * D * self.executed_pairs(N, causal), useful=useful)
+
+    def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
+        return self.allowed_pairs(seq_len, causal)
+
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4) -> int:
+        """Analytic estimate of the extra peak memory of forward+backward (inputs excluded)."""
+        # Saved probabilities and one gradient-sized buffer of the same size, plus q/k/v/out-sized
+        # gradients and outputs. Variants with their own structure override this.
+        return element_size * B * H * (3 * self.executed_pairs(N) + 6 * N * D)
+
+    # ----- call ------------------------------------------------------------------------------------
+    def scale(self, head_dim: int) -> float:
+        return 1.0 / math.sqrt(head_dim)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
+        check_qkv(q, k, v)
+        require(not causal or self.supports_causal, self.causal_error())
+        backend = self.backend
+        require(backend in self.available_backends(q.device),
+                f"{self.name}: backend {backend!r} needs CUDA; available on {q.device.type}: "
+                f"{', '.join(self.available_backends(q.device))}")
+        return self._attend(q, k, v, causal, backend)
+
+    def causal_error(self) -> str:
+        return f"{self.name} does not support causal=True"
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
+        raise NotImplementedError
+
+    def reference(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
+        """The contract's function in float64 on the dense mask (differentiable)."""
+        require(not causal or self.supports_causal, self.causal_error())
+        q, k, v = (t.double() for t in (q, k, v))
+        return dense_attention(q, k, v, self.mask(q.shape[-2], causal), self.scale(q.shape[-1]))
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items())
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        require(t.dim() == 4, f"{name} must have 4 dims (B, H, N, D); got shape {tuple(t.shape)}")
+    require(q.shape == k.shape == v.shape,
+            f"q, k, v must have the same shape (B, H, N, D); got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}")
+    require(q.dtype == k.dtype == v.dtype,
+            f"q, k, v must have the same dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    require(q.device == k.device == v.device,
+            f"q, k, v must be on the same device; got {q.device}, {k.device}, {v.device}")
+    require(q.is_floating_point(), f"q, k, v must be floating point; got {q.dtype}")
+    require(q.shape[-2] > 0, "sequence length N must be > 0")

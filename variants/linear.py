@@ -1,0 +1,105 @@
+"""linear: Linformer-style low-rank projection along the sequence (Wang et al. 2020).
+
+K̃ = E[:, :N] · k and Ṽ = F[:, :N] · v project the N keys and values onto k = proj_dim rows
+(E, F ∈ ℝ^{k×n}, n = max_seq_len, initialised N(0, 1/k)); output = softmax(q K̃ᵀ · scale) Ṽ.
+Time and memory O(N·k). Every projected key mixes all positions, the future included, so no mask can
+make it causal: ``causal=True`` is refused, never ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import Attention, Flops, dense_attention, require
+
+SHARING = ("headwise", "kv", "none")
+
+
+@dataclass(frozen=True)
+class LinearOptions:
+    proj_dim: int = 256  # k, rows of E and F
+    max_seq_len: int = 4096  # n, the longest N accepted (E, F have n columns)
+    share: str = "headwise"  # headwise: one E, one F | kv: E = F | none: E_h, F_h per head
+    num_heads: int | None = None  # needed only by share=none (one E_h, F_h per head)
+    seed: int = 0  # initialises E and F reproducibly
+    backend: str | None = None  # math | sdpa
+
+    def __post_init__(self) -> None:
+        for name in ("proj_dim", "max_seq_len"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value > 0, f"linear: {name} must be an integer > 0; got {value!r}")
+        require(self.share in SHARING, f"linear: unknown share {self.share!r}; allowed: {', '.join(SHARING)}")
+        require(self.share != "none" or (isinstance(self.num_heads, int) and self.num_heads > 0),
+                f"linear: share=none needs num_heads (an integer > 0, one E_h and F_h per head); "
+                f"got {self.num_heads!r}")
+
+
+class Linear(Attention):
+    name = "linear"
+    Options = LinearOptions
+    backends = {"math": False, "sdpa": False}
+    supports_causal = False
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        o = self.options
+        shape = (o.num_heads, o.proj_dim, o.max_seq_len) if o.share == "none" else (o.proj_dim, o.max_seq_len)
+        gen = torch.Generator().manual_seed(o.seed)
+        std = 1.0 / math.sqrt(o.proj_dim)  # N(0, 1/k)
+        self.E = nn.Parameter(torch.randn(shape, generator=gen) * std)
+        self.F = self.E if o.share == "kv" else nn.Parameter(torch.randn(shape, generator=gen) * std)
+
+    def causal_error(self) -> str:
+        return ("linear does not support causal=True: every projected key mixes all positions, future ones "
+                "included, so no mask can make it causal; use causal=False")
+
+    def mask(self, seq_len: int, causal: bool = False) -> None:
+        return None  # no allowed mask: every query sees k mixtures of all keys
+
+    def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
+        return seq_len * min(self.options.proj_dim, seq_len)  # score entries: N × k
+
+    def density(self, seq_len: int, causal: bool = False) -> float:
+        return self.options.proj_dim / seq_len
+
+    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False) -> Flops:
+        # Attention on k projected keys (4·N·k·D) plus the two projections E·K, F·V (2·2·k·N·D).
+        total = 8 * B * H * N * self.options.proj_dim * D
+        return Flops(executed=total, useful=total)
+
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4) -> int:
+        k = self.options.proj_dim
+        return element_size * B * H * (3 * N * k + 4 * k * D + 6 * N * D)
+
+    def projections(self, seq_len: int, num_heads: int) -> tuple[Tensor, Tensor]:
+        """E[:, :N], F[:, :N] as (k, N) or (H, k, N)."""
+        o = self.options
+        require(seq_len <= o.max_seq_len,
+                f"linear: sequence length N={seq_len} exceeds max_seq_len={o.max_seq_len}; "
+                f"raise max_seq_len to at least {seq_len}")
+        require(o.share != "none" or num_heads == o.num_heads,
+                f"linear: share=none was built for num_heads={o.num_heads}; got H={num_heads}")
+        return self.E[..., :seq_len], self.F[..., :seq_len]
+
+    def _project(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        E, F_ = (p.to(k.dtype) for p in self.projections(k.shape[-2], k.shape[1]))
+        eq = "hpn,bhnd->bhpd" if E.dim() == 3 else "pn,bhnd->bhpd"
+        return torch.einsum(eq, E, k), torch.einsum(eq, F_, v)  # K̃, Ṽ: (B, H, k, D)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
+        k_proj, v_proj = self._project(q, k, v)
+        if backend == "sdpa":
+            return F.scaled_dot_product_attention(q, k_proj, v_proj)
+        return dense_attention(q, k_proj, v_proj, None, self.scale(q.shape[-1]))  # (B, H, N, D)
+
+    def reference(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
+        require(not causal, self.causal_error())
+        q, k, v = (t.double() for t in (q, k, v))
+        E, F_ = (p.double() for p in self.projections(k.shape[-2], k.shape[1]))
+        # Written as broadcast matmuls, independently of the einsums of the fast path.
+        return dense_attention(q, E @ k, F_ @ v, None, self.scale(q.shape[-1]))

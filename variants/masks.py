@@ -1,0 +1,107 @@
+"""Attention patterns as pure functions: element predicates ``allowed(i, j)`` and block layouts.
+
+Written once, used three ways: the dense mask (test oracle, plots), the block layout that tells the
+block-sparse engine which key blocks each query block needs, and (on GPU) FlexAttention's mask_mod.
+Every predicate broadcasts over index tensors and excludes causality: callers add ``j <= i``.
+Conventions follow ../shared/docs/variants.md: windows are one-sided, blocks are I = i // b.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+Predicate = Callable[[Tensor, Tensor], Tensor]  # (i, j) broadcastable int tensors -> bool tensor
+
+
+def sliding_window(window: int, dilation: int = 1, global_tokens: int = 0) -> Predicate:
+    """Longformer: |i − j| ≤ w·d and (i − j) mod d == 0, or either position among the first g."""
+
+    def allowed(i: Tensor, j: Tensor) -> Tensor:
+        dist = i - j
+        local = (dist.abs() <= window * dilation) & (dist % dilation == 0)
+        return local | (i < global_tokens) | (j < global_tokens)
+
+    return allowed
+
+
+def layout_predicate(layout: Tensor, block_size: int) -> Predicate:
+    """Element predicate of a block layout: allowed(i, j) = layout[i // b, j // b]."""
+
+    def allowed(i: Tensor, j: Tensor) -> Tensor:
+        lay = layout.to(i.device)
+        return lay[i // block_size, j // block_size]
+
+    return allowed
+
+
+def dense_mask(allowed: Predicate, seq_len: int, causal: bool) -> Tensor:
+    """(N, N) bool: the predicate on the full grid. O(N²): for tests and pictures only."""
+    i = torch.arange(seq_len)[:, None]
+    j = torch.arange(seq_len)[None, :]
+    m = allowed(i, j)
+    return m & (j <= i) if causal else m
+
+
+def num_blocks(seq_len: int, block_size: int) -> int:
+    return math.ceil(seq_len / block_size)
+
+
+def _block_grid(nb: int) -> tuple[Tensor, Tensor]:
+    return torch.arange(nb)[:, None], torch.arange(nb)[None, :]  # I (nb, 1), J (1, nb)
+
+
+def causal_blocks(layout: Tensor) -> Tensor:
+    """Drops key blocks entirely in the future (J > I): they are skipped, not masked."""
+    return torch.tril(layout)
+
+
+def window_layout(nb: int, block_size: int, window: int, dilation: int, global_tokens: int) -> Tensor:
+    """Key blocks holding at least one pair within the window (ignoring the dilation residue, which the
+    element predicate applies) or a global position."""
+    I, J = _block_grid(nb)
+    # Closest pair of blocks |I−J| apart is (|I−J|−1)·b + 1 positions apart.
+    reach = math.ceil(window * dilation / block_size)
+    g = math.ceil(global_tokens / block_size)
+    return ((I - J).abs() <= reach) | (I < g) | (J < g)
+
+
+def local_layout(nb: int) -> Tensor:
+    """Block-diagonal (BlockBERT / LRA local attention): allowed = (I == J)."""
+    return torch.eye(nb, dtype=torch.bool)
+
+
+def fixed_layout(nb: int, local_blocks: int, summary_blocks: int) -> Tensor:
+    """Sparse Transformer "fixed", bidirectional block form (DeepSpeed FixedSparsityConfig)."""
+    I, J = _block_grid(nb)
+    L, c = local_blocks, summary_blocks
+    return (I // L == J // L) | (J % L >= L - c)
+
+
+def strided_layout(nb: int, stride: int) -> Tensor:
+    """Sparse Transformer "strided": |I − J| < s or (I − J) mod s == 0."""
+    I, J = _block_grid(nb)
+    return ((I - J).abs() < stride) | ((I - J) % stride == 0)
+
+
+def bigbird_layout(nb: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int,
+                   causal: bool) -> Tensor:
+    """BigBird: window, global and, per row, min(r, available) random blocks drawn from those not
+    already allowed (J ≤ I under causal) by a CPU generator seeded with ``seed``, so the layout is the
+    same on every run and device."""
+    I, J = _block_grid(nb)
+    base = ((I - J).abs() <= (window_blocks - 1) // 2) | (I < global_blocks) | (J < global_blocks)
+    candidates = ~base & (J <= I) if causal else ~base
+    if random_blocks == 0:
+        return base
+    # One uniform key per (I, J) from the seeded generator; each row takes its r largest among the
+    # candidates. Vectorised, and equal to drawing r distinct candidates uniformly without replacement.
+    keys = torch.rand(nb, nb, generator=torch.Generator().manual_seed(seed))
+    keys = keys.masked_fill(~candidates, -1.0)
+    top = keys.topk(min(random_blocks, nb), dim=1)
+    chosen = torch.zeros(nb, nb, dtype=torch.bool)
+    chosen.scatter_(1, top.indices, top.values >= 0)
+    return base | chosen
