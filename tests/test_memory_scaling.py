@@ -1,0 +1,56 @@
+"""Memory is measured, not estimated: peak extra memory of forward+backward on CPU at N and 2N
+(profiler allocation replay, harness/memory.py). Efficient variants about double; full math about
+quadruples (its three N×N matrices dominate)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import variants
+from harness.memory import cpu_peak_bytes
+
+from .conftest import qkv
+
+B, H, D, N = 1, 2, 32, 1024
+
+
+def fwd_bwd_peak(attn, n):
+    q, k, v = qkv(B, H, n, D, dtype=torch.float32)
+    grad = torch.randn(B, H, n, D)
+
+    def step():
+        attn(q, k, v).backward(grad)
+
+    step()  # warm-up: one-time allocations (plans, caches) stay out of the measurement
+    q.grad = k.grad = v.grad = None
+    return cpu_peak_bytes(step)
+
+
+@pytest.mark.parametrize("name,options,low,high", [
+    ("full", {"backend": "math"}, 3.4, 4.4),
+    ("blockwise", {"mode": "exact", "block_size": 64}, 1.6, 2.4),
+    ("blockwise", {"mode": "local", "block_size": 64}, 1.6, 2.4),
+    ("sliding_window", {"window": 64, "global_tokens": 16}, 1.6, 2.4),
+    ("sparse", {"pattern": "bigbird", "block_size": 32}, 1.6, 2.4),  # constant blocks per row
+    ("linear", {"proj_dim": 64, "max_seq_len": 2 * N}, 1.6, 2.4),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_peak_memory_scaling(name, options, low, high):
+    attn = variants.build(name, **options)
+    small, large = fwd_bwd_peak(attn, N), fwd_bwd_peak(attn, 2 * N)
+    assert small > 0
+    assert low <= large / small <= high, f"{name}: {small} -> {large} bytes, ratio {large / small:.2f}"
+
+
+def test_efficient_variants_use_a_fraction_of_full():
+    full = fwd_bwd_peak(variants.build("full", backend="math"), 2 * N)
+    exact = fwd_bwd_peak(variants.build("blockwise", mode="exact", block_size=64), 2 * N)
+    assert exact < full / 8, (exact, full)
+
+
+def test_sparse_fixed_memory_follows_its_blocks_per_row():
+    """fixed sees every chunk's summary blocks: blocks per row grow with N, and memory with them."""
+    attn = variants.build("sparse", pattern="fixed", block_size=32)
+    ratio = fwd_bwd_peak(attn, 2 * N) / fwd_bwd_peak(attn, N)
+    pairs = attn.executed_pairs(2 * N) / attn.executed_pairs(N)
+    assert pairs > 2.5 and ratio == pytest.approx(pairs, rel=0.25)

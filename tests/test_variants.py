@@ -1,0 +1,334 @@
+"""Every variant and backend against the float64 dense reference from ../shared/docs/variants.md."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import variants
+from variants import VariantError, dense_attention
+from variants.blocksparse import MaskedAttention
+
+from .conftest import VARIANT_YAMLS, qkv
+
+# Lengths that are not a multiple of any block size used below (8, 16, 64, 128).
+LENGTHS = (97, 200)
+
+# Edge options per variant, beside each conf/variant/*.yaml as shipped.
+CASES = [
+    ("full", {"backend": "math"}),
+    ("full", {"backend": "sdpa"}),
+    ("blockwise", {"mode": "exact", "block_size": 16}),
+    ("blockwise", {"mode": "exact", "block_size": 1}),
+    ("blockwise", {"mode": "exact", "block_size": 512}),  # larger than N
+    ("blockwise", {"mode": "local", "block_size": 16}),
+    ("blockwise", {"mode": "local", "block_size": 1}),
+    ("blockwise", {"mode": "local", "block_size": 512}),
+    ("sliding_window", {"window": 0}),
+    ("sliding_window", {"window": 5}),
+    ("sliding_window", {"window": 40}),
+    ("sliding_window", {"window": 300}),  # ≥ N
+    ("sliding_window", {"window": 4, "global_tokens": 3}),
+    ("sliding_window", {"window": 6, "dilation": 2}),
+    ("sliding_window", {"window": 20, "dilation": 3, "global_tokens": 70}),  # global rows span blocks
+    ("sparse", {"pattern": "fixed", "block_size": 8}),
+    ("sparse", {"pattern": "fixed", "block_size": 16, "local_blocks": 2, "summary_blocks": 2}),
+    ("sparse", {"pattern": "strided", "block_size": 8, "stride": 3}),
+    ("sparse", {"pattern": "bigbird", "block_size": 8}),
+    ("sparse", {"pattern": "bigbird", "block_size": 16, "window_blocks": 1, "global_blocks": 2,
+                "random_blocks": 3, "seed": 7}),
+    ("linear", {"proj_dim": 16, "max_seq_len": 256}),
+    ("linear", {"proj_dim": 16, "max_seq_len": 256, "share": "kv"}),
+    ("linear", {"proj_dim": 8, "max_seq_len": 256, "share": "none", "num_heads": 2}),
+]
+
+
+def from_yaml(path) -> variants.Attention:
+    cfg = OmegaConf.load(path)
+    if "max_seq_len" in cfg:
+        cfg.max_seq_len = 256  # keep E, F small
+    if "num_heads" in cfg and cfg.num_heads is None:
+        cfg.num_heads = 2
+    return instantiate(cfg)
+
+
+def yaml_cases():
+    """Each shipped YAML with every backend it offers on CPU."""
+    for path in VARIANT_YAMLS:
+        base = from_yaml(path)
+        for backend in base.available_backends("cpu"):
+            yield pytest.param(path, backend, id=f"{path.stem}-{backend}")
+
+
+def all_backends(name, options):
+    attn = variants.build(name, **options)
+    return [dict(options, backend=b) for b in attn.available_backends("cpu")]
+
+
+def expand(cases):
+    for name, opts in cases:
+        for o in ([opts] if "backend" in opts else all_backends(name, opts)):
+            yield pytest.param(name, o, id=f"{name}-" + "-".join(f"{k}={v}" for k, v in o.items()))
+
+
+def assert_matches_reference(attn, N, causal, dtype, B=2, H=2, D=16):
+    q, k, v = qkv(B, H, N, D, dtype=dtype, seed=N)
+    out = attn(q, k, v, causal=causal)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))  # the oracle's own leaves
+    ref = attn.reference(q64, k64, v64, causal=causal)
+    assert out.shape == (B, H, N, D) and out.dtype == dtype and ref.dtype == torch.float64
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
+    want = torch.autograd.grad(ref, (q64, k64, v64), grad)
+    # Absolute tolerance scaled by the reference's magnitude: float32 rounding grows with it.
+    eps = 1e-10 if dtype == torch.float64 else 2e-5
+    for name, g, w in [("out", out, ref)] + list(zip(("dq", "dk", "dv"), got, want)):
+        torch.testing.assert_close(g.double(), w, rtol=eps * 10, atol=eps * max(1.0, w.abs().max().item()),
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("N", LENGTHS)
+@pytest.mark.parametrize("name,options", list(expand(CASES)))
+def test_matches_float64_reference(name, options, N, causal, dtype):
+    attn = variants.build(name, **options)
+    if causal and not attn.supports_causal:
+        pytest.skip("variant refuses causal (tested in test_bad_input)")
+    assert_matches_reference(attn, N, causal, dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("path,backend", list(yaml_cases()))
+def test_shipped_config_matches_reference(path, backend, causal):
+    attn = from_yaml(path)
+    attn._backend = backend
+    if causal and not attn.supports_causal:
+        pytest.skip("variant refuses causal")
+    assert_matches_reference(attn, 200, causal, torch.float32)
+
+
+def test_reference_is_the_softmax_formula():
+    """The oracle itself, against a row-by-row softmax written from the definition."""
+    q, k, v = qkv(1, 1, 9, 4)
+    mask = torch.rand(9, 9, generator=torch.Generator().manual_seed(0)) < 0.5
+    mask |= torch.eye(9, dtype=torch.bool)
+    out = dense_attention(q, k, v, mask, scale=0.5)[0, 0]
+    for i in range(9):
+        allowed = [j for j in range(9) if mask[i, j]]
+        s = torch.stack([(q[0, 0, i] * k[0, 0, j]).sum() * 0.5 for j in allowed])
+        p = torch.exp(s - s.max()) / torch.exp(s - s.max()).sum()
+        row = sum(p[t] * v[0, 0, j] for t, j in enumerate(allowed))
+        torch.testing.assert_close(out[i], row, rtol=1e-12, atol=1e-12)
+
+
+# ----- masks against the contract's formulas, written here independently --------------------------
+def contract_mask(name, o, N, causal):
+    i = torch.arange(N)[:, None]
+    j = torch.arange(N)[None, :]
+    if name == "full" or (name == "blockwise" and o.get("mode", "exact") == "exact"):
+        m = torch.ones(N, N, dtype=torch.bool)
+    elif name == "blockwise":
+        b = o["block_size"]
+        m = i // b == j // b
+    elif name == "sliding_window":
+        w, d, g = o.get("window", 256), o.get("dilation", 1), o.get("global_tokens", 0)
+        m = (((i - j).abs() <= w * d) & ((i - j) % d == 0)) | (i < g) | (j < g)
+    elif name == "sparse" and o["pattern"] == "fixed":
+        b, L, c = o["block_size"], o.get("local_blocks", 4), o.get("summary_blocks", 1)
+        I, J = i // b, j // b
+        m = (I // L == J // L) | (J % L >= L - c)
+    elif name == "sparse" and o["pattern"] == "strided":
+        b, s = o["block_size"], o.get("stride", 4)
+        I, J = i // b, j // b
+        m = ((I - J).abs() < s) | ((I - J) % s == 0)
+    else:
+        raise AssertionError(name)
+    return m & (j <= i) if causal else m
+
+
+MASK_CASES = [(n, o) for n, o in CASES if n != "linear" and o.get("pattern") != "bigbird"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("name,options", MASK_CASES, ids=[f"{n}-{o}" for n, o in MASK_CASES])
+def test_mask_is_the_contract_formula(name, options, causal):
+    attn = variants.build(name, **options)
+    for N in LENGTHS:
+        m = attn.mask(N, causal)
+        assert m.dtype == torch.bool and m.shape == (N, N)
+        assert torch.equal(m, contract_mask(name, options, N, causal))
+        assert m.diagonal().all(), "every pattern keeps j = i"
+        assert attn.allowed_pairs(N, causal) == int(m.sum())
+        assert attn.density(N, causal) == pytest.approx(m.sum().item() / N**2)
+
+
+def test_linear_has_no_mask():
+    assert variants.build("linear", proj_dim=4, max_seq_len=16).mask(16) is None
+
+
+# ----- degenerate configurations equal full ---------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("name,options", [
+    ("blockwise", {"mode": "exact", "block_size": 32}),
+    ("sliding_window", {"window": 97}),
+    ("sliding_window", {"window": 10, "dilation": 10}),  # w·d ≥ N − 1, but residues still apply
+    ("sparse", {"pattern": "fixed", "block_size": 16, "local_blocks": 7}),  # one chunk holds all blocks
+    ("sparse", {"pattern": "strided", "block_size": 16, "stride": 1}),
+    ("sparse", {"pattern": "bigbird", "block_size": 16, "window_blocks": 13}),
+], ids=lambda x: str(x))
+def test_degenerate_equals_full(name, options, causal):
+    N = 97
+    attn = variants.build(name, **options)
+    q, k, v = qkv(2, 2, N, 16)
+    full = variants.build("full", backend="math")(q, k, v, causal=causal)
+    if name == "sliding_window" and options.get("dilation", 1) > 1:
+        # Dilation keeps only keys with (i − j) mod d == 0: not full, and the mask says so.
+        assert not attn.mask(N).all()
+        return
+    assert attn.mask(N, causal).equal(full.new_ones(N, N, dtype=torch.bool).tril() if causal
+                                      else full.new_ones(N, N, dtype=torch.bool))
+    torch.testing.assert_close(attn(q, k, v, causal=causal), full, rtol=1e-12, atol=1e-12)
+
+
+def test_linear_with_identity_projections_equals_full():
+    N = 97
+    attn = variants.build("linear", proj_dim=N, max_seq_len=N, share="headwise")
+    with torch.no_grad():
+        attn.E.copy_(torch.eye(N))
+        attn.F.copy_(torch.eye(N))
+    q, k, v = qkv(2, 2, N, 16)
+    for backend in attn.available_backends("cpu"):
+        attn._backend = backend
+        torch.testing.assert_close(attn(q, k, v), variants.build("full", backend="math")(q, k, v),
+                                   rtol=1e-12, atol=1e-12)
+
+
+# ----- causal: no future leak ----------------------------------------------------------------------
+@pytest.mark.parametrize("name,options", [c for c in CASES if c[0] != "linear"], ids=lambda x: str(x))
+def test_no_future_leak(name, options):
+    attn = variants.build(name, **options)
+    N, cut = 97, 41
+    q, k, v = (t.detach() for t in qkv(1, 2, N, 8))
+    out = attn(q, k, v, causal=True)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, cut + 1:] = torch.randn_like(k2[:, :, cut + 1:]) * 10
+    v2[:, :, cut + 1:] = torch.randn_like(v2[:, :, cut + 1:]) * 10
+    out2 = attn(q, k2, v2, causal=True)
+    torch.testing.assert_close(out2[:, :, :cut + 1], out[:, :, :cut + 1], rtol=0, atol=1e-12)
+    assert not torch.allclose(out2[:, :, cut + 1:], out[:, :, cut + 1:]), "the test must see the change"
+
+
+# ----- BigBird random blocks -----------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("w,g,r", [(3, 1, 2), (1, 0, 3), (5, 2, 1), (3, 1, 40)])
+def test_bigbird_random_blocks(w, g, r, causal):
+    b, N = 8, 200
+    opts = dict(pattern="bigbird", block_size=b, window_blocks=w, global_blocks=g, random_blocks=r, seed=3)
+    attn = variants.build("sparse", **opts)
+    layout = attn.layout(N, causal)
+    assert torch.equal(layout, variants.build("sparse", **opts).layout(N, causal)), "same seed, same layout"
+    other = variants.build("sparse", **dict(opts, seed=4)).layout(N, causal)
+    nb = math.ceil(N / b)
+    I, J = torch.arange(nb)[:, None], torch.arange(nb)[None, :]
+    base = ((I - J).abs() <= (w - 1) // 2) | (I < g) | (J < g)
+    candidates = ~base & (J <= I) if causal else ~base
+    random = layout & ~base
+    assert not (random & ~candidates).any(), "random blocks come from the blocks not already allowed"
+    for row in range(g, nb):
+        assert int(random[row].sum()) == min(r, int(candidates[row].sum()))
+    if 0 < r < int(candidates.sum(1).max()):
+        assert not torch.equal(layout, other), "another seed draws other blocks"
+    # The element mask is the layout expanded to blocks.
+    m = attn.mask(N, causal)
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    expect = layout[i // b, j // b]
+    assert torch.equal(m, expect & (j <= i) if causal else expect)
+
+
+def test_sparse_layout_density_is_reported():
+    attn = variants.build("sparse", pattern="fixed", block_size=16, local_blocks=2, summary_blocks=1)
+    layout = attn.layout(200, False)
+    assert attn.block_density(200) == pytest.approx(layout.float().mean().item())
+    assert 0 < attn.block_density(200) < 1
+
+
+# ----- facts ---------------------------------------------------------------------------------------
+def test_flops_and_facts():
+    full = variants.build("full", backend="math")
+    assert full.flops(2, 3, 100, 16).useful == 4 * 2 * 3 * 100 * 100 * 16
+    assert full.flops(1, 1, 100, 16, causal=True).useful == 4 * 16 * 100 * 101 // 2
+    assert full.is_exact and variants.build("blockwise").is_exact
+    assert not variants.build("blockwise", mode="local").is_exact
+    assert not variants.build("linear").supports_causal
+    sw = variants.build("sliding_window", window=8)
+    assert sw.allowed_pairs(200) == int(sw.mask(200).sum())
+    assert sw.flops(1, 1, 200, 16).executed >= sw.flops(1, 1, 200, 16).useful
+    for cls in variants.REGISTRY.values():
+        attn = cls() if cls is not variants.Linear else cls(max_seq_len=64)
+        assert set(attn.available_backends("cpu")) <= set(attn.backend_names())
+        assert attn.backend in attn.backend_names()
+
+
+def test_build_matches_yaml_registry():
+    names = {p.stem for p in VARIANT_YAMLS}
+    assert names == set(variants.REGISTRY) == {"full", "sparse", "blockwise", "sliding_window", "linear"}
+    for path in VARIANT_YAMLS:
+        assert type(from_yaml(path)) is variants.REGISTRY[path.stem]
+
+
+def test_efficient_paths_build_no_dense_mask(monkeypatch):
+    """The block-sparse engine must never call the O(N²) mask."""
+    def forbidden(*a, **k):
+        raise AssertionError("dense mask built on the fast path")
+
+    monkeypatch.setattr(variants.masks, "dense_mask", forbidden)
+    monkeypatch.setattr(MaskedAttention, "mask", forbidden)
+    q, k, v = qkv(1, 1, 200, 8)
+    for name, o in [("sliding_window", {"window": 5, "global_tokens": 2}), ("sparse", {"block_size": 8}),
+                    ("blockwise", {"mode": "local", "block_size": 16}), ("blockwise", {"block_size": 16})]:
+        attn = variants.build(name, **o)
+        attn(q, k, v, causal=True).sum().backward()
+        attn.flops(1, 1, 200, 8, causal=True)
+
+
+# ----- bad input: one clear error naming the option and the allowed values ---------------------------
+@pytest.mark.parametrize("name,options,expect", [
+    ("sliding_window", {"windw": 3}, "unknown option 'windw'; allowed: window, dilation, global_tokens"),
+    ("nope", {}, "unknown variant 'nope'; allowed: full, sparse, blockwise, sliding_window, linear"),
+    ("full", {"backend": "flash"}, "unknown backend 'flash'; allowed: math, sdpa"),
+    ("blockwise", {"block_size": 0}, "block_size must be an integer > 0"),
+    ("blockwise", {"mode": "global"}, "unknown mode 'global'; allowed: exact, local"),
+    ("sliding_window", {"window": -1}, "window must be an integer >= 0"),
+    ("sliding_window", {"dilation": 0}, "dilation must be an integer >= 1"),
+    ("sparse", {"pattern": "random"}, "unknown pattern 'random'; allowed: fixed, strided, bigbird"),
+    ("sparse", {"pattern": "bigbird", "window_blocks": 2}, "window_blocks must be odd"),
+    ("sparse", {"summary_blocks": 5, "local_blocks": 4}, "summary_blocks (5) must be <= local_blocks (4)"),
+    ("sparse", {"block_size": -8}, "block_size must be an integer >= 1"),
+    ("linear", {"share": "all"}, "unknown share 'all'; allowed: headwise, kv, none"),
+    ("linear", {"share": "none"}, "share=none needs num_heads"),
+])
+def test_bad_options(name, options, expect):
+    with pytest.raises(VariantError, match=expect.replace("(", r"\(").replace(")", r"\)")) as err:
+        variants.build(name, **options)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_inputs():
+    q, k, v = (t.detach() for t in qkv(1, 2, 16, 8, dtype=torch.float32))
+    attn = variants.build("full")
+    with pytest.raises(VariantError, match="same shape"):
+        attn(q, k[:, :, :8], v)
+    with pytest.raises(VariantError, match="same dtype"):
+        attn(q, k.double(), v)
+    with pytest.raises(VariantError, match="4 dims"):
+        attn(q[0], k[0], v[0])
+    lin = variants.build("linear", proj_dim=4, max_seq_len=8)
+    with pytest.raises(VariantError, match="N=16 exceeds max_seq_len=8"):
+        lin(q, k, v)
+    with pytest.raises(VariantError, match="no mask can make it causal"):
+        variants.build("linear", proj_dim=4, max_seq_len=16)(q, k, v, causal=True)
