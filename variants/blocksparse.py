@@ -106,7 +106,8 @@ class MaskedAttention(Attention):
     pair counts and the two CPU backends: ``blocksparse`` (the engine) and ``dense`` (the mask path).
     """
 
-    backends = {"blocksparse": False, "dense": False}
+    # flex: FlexAttention from the element predicate (GPU: it has no CPU backward; see flex.py).
+    backends = {"blocksparse": False, "dense": False, "flex": True}
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
@@ -182,4 +183,8 @@ class MaskedAttention(Attention):
         N, scale = q.shape[-2], self.scale(q.shape[-1])
         if backend == "dense":
             return dense_attention(q, k, v, self.mask(N, causal).to(q.device), scale)
+        if backend == "flex":
+            from .flex import flex_forward
+
+            return flex_forward(self, q, k, v, causal)
         return block_sparse_attention(q, k, v, self.plan(N, causal), self.predicate(N, causal), scale)

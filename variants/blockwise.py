@@ -27,7 +27,7 @@ MODES = ("exact", "local")
 class BlockwiseOptions:
     mode: str = "exact"  # exact: equals full | local: block-diagonal
     block_size: int = 128  # query/key chunk length (exact) or the local block (local)
-    backend: str | None = None  # exact: online | dense ; local: blocksparse | dense
+    backend: str | None = None  # exact: online | dense | flex ; local: blocksparse | dense | flex | xformers
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, f"blockwise: unknown mode {self.mode!r}; allowed: {', '.join(MODES)}")
@@ -38,10 +38,10 @@ class BlockwiseOptions:
 class Blockwise(MaskedAttention):
     name = "blockwise"
     Options = BlockwiseOptions
-    backends = {"online": False, "blocksparse": False, "dense": False}
+    backends = {"online": False, "blocksparse": False, "dense": False, "flex": True, "xformers": True}
 
     def backend_names(self) -> list[str]:
-        return ["online", "dense"] if self.options.mode == "exact" else ["blocksparse", "dense"]
+        return ["online", "dense", "flex"] if self.options.mode == "exact" else ["blocksparse", "dense", "flex", "xformers"]
 
     @property
     def is_exact(self) -> bool:
@@ -76,6 +76,10 @@ class Blockwise(MaskedAttention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
         if backend == "online":
             return OnlineSoftmaxAttention.apply(q, k, v, self.options.block_size, causal, self.scale(q.shape[-1]))
+        if backend == "xformers":  # local only (backend_names)
+            from .xformers_backend import block_local_attention
+
+            return block_local_attention(q, k, v, self.options.block_size, causal, self.scale(q.shape[-1]))
         return super()._attend(q, k, v, causal, backend)
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from .base import require
 from .blocksparse import MaskedAttention
 from .masks import Predicate, num_blocks, sliding_window, window_layout
+from .xformers_backend import check_sliding_window
 
 
 def _nonneg_int(name: str, value, minimum: int) -> None:
@@ -29,17 +30,26 @@ class SlidingWindowOptions:
     window: int = 256  # w, one-sided: keys i−w·d … i+w·d (Longformer's "window 512" is 256)
     dilation: int = 1  # d: every d-th key inside the window
     global_tokens: int = 0  # g: the first g positions attend to and are attended by all
-    backend: str | None = None  # blocksparse | dense
+    backend: str | None = None  # blocksparse | dense | flex | xformers (dilation 1, no global tokens)
 
     def __post_init__(self) -> None:
         _nonneg_int("window", self.window, 0)
         _nonneg_int("dilation", self.dilation, 1)
         _nonneg_int("global_tokens", self.global_tokens, 0)
+        if self.backend == "xformers":
+            check_sliding_window(self.window, self.dilation, self.global_tokens)
 
 
 class SlidingWindow(MaskedAttention):
     name = "sliding_window"
     Options = SlidingWindowOptions
+    backends = {**MaskedAttention.backends, "xformers": True}
+
+    def backend_names(self) -> list[str]:
+        # xformers' local bias is a plain band: offered only where the pattern is one.
+        o = self.options
+        plain_band = o.dilation == 1 and o.global_tokens == 0
+        return [b for b in self.backends if b != "xformers" or plain_band]
 
     @property
     def is_exact(self) -> bool:
@@ -61,3 +71,12 @@ class SlidingWindow(MaskedAttention):
     def dense_rows(self, seq_len: int) -> int:
         # Query blocks holding global rows see every key: their own group, so others keep K small.
         return -(-self.options.global_tokens // self.engine_block_size(seq_len))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
+        if backend == "xformers":
+            from . import xformers_backend as xf
+
+            o = self.options
+            xf.check_sliding_window(o.window, o.dilation, o.global_tokens)
+            return xf.attention(q, k, v, xf.sliding_window_bias(o.window, q.shape[-2], causal), self.scale(q.shape[-1]))
+        return super()._attend(q, k, v, causal, backend)

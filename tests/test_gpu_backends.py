@@ -1,0 +1,321 @@
+"""GPU backends: FlexAttention (``flex``), xformers, pinned SDPA kernels and ``auto``.
+
+On CPU (unmarked): FlexAttention forward, compiled, for every mask-defined variant against the float64
+reference (CPU FlexAttention has no backward); the exact mapping of each xformers bias onto the
+contract's mask, via ``bias.materialize`` (the off-by-one in window sizes is the classic bug); the
+FlexAttention BlockMask built in strips equals ``create_block_mask``; asking for a GPU-only backend on
+CPU is one clear line.
+
+On GPU (``@pytest.mark.gpu``): every GPU backend of every variant, output and gradients, in bf16 and
+fp16, causal and not, at N not a multiple of 128, under flash-attention's rule (its tests/test_flash_attn.py):
+the backend's max abs error against the float64 reference is at most twice that of the naive
+implementation in the same dtype, plus a floor of twice the error of rounding the reference itself to
+that dtype (FA's ``fwd_atol = 2 * (out_ref + 0.3 - 0.3 - out_ref).abs().max()``): the unavoidable
+error of storing a correct result in that dtype, about one ulp at the largest magnitude. The floor
+matters where the naive path is exact by accident (window 0: every row is one value vector).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import variants
+from variants import VariantError, dense_attention, flex
+from variants import xformers_backend as xf
+
+from .conftest import qkv
+
+# ----- CPU: FlexAttention forward ------------------------------------------------------------------
+# One N for every compiled call: each new N, dtype, causal flag or mask_mod constant recompiles
+# (about 5 s each on CPU, 8–16 s cold). 200 is not a multiple of FlexAttention's 128 (ragged last tile),
+# nor of the 16-blocks of the sparse layouts.
+FLEX_N = 200
+FLEX_CASES = [
+    ("sliding_window", {"window": 5}),
+    ("sliding_window", {"window": 6, "dilation": 2, "global_tokens": 20}),  # global rows span two tiles' edge
+    ("sparse", {"pattern": "fixed", "block_size": 16}),
+    ("sparse", {"pattern": "strided", "block_size": 16, "stride": 3}),
+    ("sparse", {"pattern": "bigbird", "block_size": 16}),
+    ("blockwise", {"mode": "local", "block_size": 16}),
+    ("blockwise", {"mode": "exact", "block_size": 16}),
+]
+
+
+def _id(name, o):
+    return f"{name}-" + "-".join(f"{k}={v}" for k, v in o.items())
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("name,options", FLEX_CASES, ids=[_id(*c) for c in FLEX_CASES])
+def test_flex_forward_matches_reference_cpu(name, options, causal):
+    attn = variants.build(name, **options)
+    assert "flex" in attn.backend_names() and "flex" not in attn.available_backends("cpu")
+    q, k, v = (t.detach().float() for t in qkv(1, 2, FLEX_N, 16, seed=3))
+    out = flex.flex_forward(attn, q, k, v, causal)
+    ref = attn.reference(q, k, v, causal)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("name,options", FLEX_CASES + [
+    ("sliding_window", {"window": 0}),
+    ("sliding_window", {"window": 300}),
+    ("sliding_window", {"window": 20, "dilation": 3, "global_tokens": 130}),
+    ("sparse", {"pattern": "bigbird", "block_size": 48, "window_blocks": 1, "global_blocks": 2, "random_blocks": 3}),
+    ("blockwise", {"mode": "local", "block_size": 100}),
+], ids=lambda x: str(x))
+def test_flex_mask_mod_is_the_mask(name, options, causal):
+    """The mask_mod on the whole grid (as create_block_mask evaluates it) equals the variant's mask."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    attn = variants.build(name, **options)
+    for N in (97, 259):
+        got = create_mask(flex.mask_mod(attn, N, causal, "cpu"), 1, 1, N, N, "cpu")[0, 0]
+        assert torch.equal(got, attn.mask(N, causal))
+
+
+@pytest.mark.parametrize("name,options,N,causal", [
+    ("sliding_window", {"window": 40, "global_tokens": 3}, 700, False),
+    ("sliding_window", {"window": 40, "dilation": 2}, 700, True),
+    ("sparse", {"pattern": "bigbird", "block_size": 64}, 650, True),
+    ("blockwise", {"mode": "exact"}, 300, True),
+    ("blockwise", {"mode": "exact"}, 300, False),
+], ids=lambda x: str(x))
+def test_block_mask_in_strips_equals_create_block_mask(name, options, N, causal):
+    attn = variants.build(name, **options)
+    whole = flex.build_block_mask(attn, N, causal, "cpu")
+    for chunk in (128 * N, 300 * N):  # strips of 128 and of 256 rows (the last one ragged)
+        strips = flex.build_block_mask(attn, N, causal, "cpu", chunk_elements=chunk)
+        assert strips.shape == whole.shape and strips.BLOCK_SIZE == whole.BLOCK_SIZE
+        assert torch.equal(strips.to_dense(), whole.to_dense())
+        for a, b in [(strips.kv_num_blocks, whole.kv_num_blocks), (strips.full_kv_num_blocks, whole.full_kv_num_blocks),
+                     (strips.q_num_blocks, whole.q_num_blocks), (strips.full_q_num_blocks, whole.full_q_num_blocks)]:
+            assert torch.equal(a, b)
+    stats = flex.block_mask_stats(attn, N, causal)
+    assert stats["partial_tiles"] + stats["full_tiles"] == int(whole.to_dense().sum())
+
+
+def test_flex_prepare_caches_block_mask_and_compiles_cpu():
+    attn = variants.build(FLEX_CASES[2][0], **FLEX_CASES[2][1])  # the same mask_mod code as test_flex_forward: no new compile
+    times = flex.prepare(attn, (1, 2, FLEX_N, 16), torch.float32, "cpu", causal=False)
+    assert times.block_mask_s > 0 and times.compile_s > 0
+    bm = flex.block_mask(attn, FLEX_N, False, "cpu")
+    assert flex.block_mask(attn, FLEX_N, False, "cpu") is bm
+    assert flex.prepare(attn, (1, 2, FLEX_N, 16), torch.float32, "cpu").block_mask_s < 0.05  # cached
+
+
+def test_flex_on_cpu_has_no_backward():
+    attn = variants.build("sparse", pattern="fixed", block_size=16)
+    q, k, v = (t.float() for t in qkv(1, 2, FLEX_N, 16, seed=3))  # requires grad
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        flex.flex_forward(attn, q, k, v)
+
+
+# ----- CPU: xformers biases against the contract ------------------------------------------------------
+def _allowed(bias, shape):
+    return bias.materialize(shape, dtype=torch.float32, device="cpu") == 0  # 0 allowed, -inf not
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("window", [0, 1, 2, 5, 63, 64, 199, 200, 1000])
+def test_xformers_sliding_window_bias_is_the_contract(window, causal):
+    attn = variants.build("sliding_window", window=window)
+    for N in (1, 97, 200):
+        bias = xf.sliding_window_bias(window, N, causal)
+        assert torch.equal(_allowed(bias, (N, N)), attn.mask(N, causal)), (window, N, causal)
+        keys = attn.mask(N, causal).sum(1)
+        assert int(keys.max()) == min(N, window + 1 if causal else 2 * window + 1)  # one-sided w
+
+
+def test_xformers_sliding_window_bias_classes():
+    """Which biases: the causal one is xformers' window_size = w + 1 (it counts the diagonal)."""
+    ab = xf.xformers_ops().fmha.attn_bias
+    b = xf.sliding_window_bias(7, 100, causal=True)
+    assert type(b) is ab.LowerTriangularFromBottomRightLocalAttentionMask and b._window_size == 8
+    b = xf.sliding_window_bias(7, 100, causal=False)
+    assert type(b) is ab.LocalAttentionFromBottomRightMask and (b.window_left, b.window_right) == (7, 7)
+    assert type(xf.causal_bias(True)) is ab.LowerTriangularMask and xf.causal_bias(False) is None
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("block_size", [1, 16, 64, 100, 200, 512])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_xformers_block_local_bias_is_the_contract(block_size, batch, causal):
+    """Batch flattened into the sequence, (1, B·N): block-diagonal per batch element, none across."""
+    attn = variants.build("blockwise", mode="local", block_size=block_size)
+    for N in (97, 200):
+        bias = xf.block_local_bias(batch, N, block_size, causal, "cpu")
+        want = torch.block_diag(*[attn.mask(N, causal)] * batch)
+        assert torch.equal(_allowed(bias, (batch * N, batch * N)), want), (block_size, batch, N, causal)
+
+
+def test_xformers_full_causal_bias_is_j_le_i():
+    full = variants.build("full")
+    assert torch.equal(_allowed(xf.causal_bias(True), (97, 97)), full.mask(97, causal=True))
+
+
+def test_xformers_call_on_cpu_raises():
+    """The documented fact this backend's needs_cuda rests on."""
+    q = torch.randn(1, 2, 16, 8)
+    with pytest.raises(NotImplementedError):
+        xf.attention(q, q, q, None, 8 ** -0.5)
+
+
+# ----- CPU: asking for a GPU-only backend --------------------------------------------------------------
+GPU_ONLY = [(name, o, b) for name, o in [("full", {}), ("blockwise", {"mode": "exact"}), ("blockwise", {"mode": "local"}),
+                                          ("sliding_window", {"window": 4}), ("sparse", {})]
+            for b, needs_cuda in variants.build(name, **o).backends.items()
+            if needs_cuda and b in variants.build(name, **o).backend_names()]
+
+
+@pytest.mark.parametrize("name,options,backend", GPU_ONLY, ids=lambda x: str(x))
+def test_gpu_only_backend_on_cpu_is_one_clear_line(name, options, backend):
+    attn = variants.build(name, **options, backend=backend)
+    q, k, v = (t.detach() for t in qkv(1, 2, 16, 8, dtype=torch.float32))
+    with pytest.raises(VariantError, match=f"{name}: backend '{backend}' needs CUDA; available on cpu: ") as err:
+        attn(q, k, v)
+    assert "\n" not in str(err.value)
+
+
+def test_backend_sets():
+    assert {b for _, _, b in GPU_ONLY} == {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "xformers", "auto", "flex"}
+    full = variants.build("full")
+    assert full.backend == "math" and "sdpa_math" in full.available_backends("cpu")
+    assert variants.build("blockwise").backend == "online"
+    assert variants.build("sliding_window").backend == "blocksparse"
+    assert variants.build("sparse").backend == "blocksparse"
+    # xformers only where its bias is the pattern: a plain band, or block-diagonal.
+    assert "xformers" not in variants.build("sliding_window", dilation=2).backend_names()
+    assert "xformers" not in variants.build("sliding_window", global_tokens=1).backend_names()
+    assert "xformers" not in variants.build("blockwise", mode="exact").backend_names()
+    assert "xformers" not in variants.build("sparse").backend_names()
+
+
+@pytest.mark.parametrize("options,named", [
+    ({"dilation": 2}, "dilation=2"),
+    ({"global_tokens": 3}, "global_tokens=3"),
+    ({"dilation": 3, "global_tokens": 1}, "dilation=3, global_tokens=1"),
+])
+def test_xformers_sliding_window_refuses_dilation_and_global_tokens(options, named):
+    with pytest.raises(VariantError, match=f"backend 'xformers' supports only dilation=1 and global_tokens=0; "
+                                           f"got {named}") as err:
+        variants.build("sliding_window", window=8, backend="xformers", **options)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_sdpa_math_on_cpu_matches_reference(dtype, causal):
+    from .test_variants import assert_matches_reference
+
+    attn = variants.build("full", backend="sdpa_math")
+    assert_matches_reference(attn, 97, causal, dtype)
+    assert attn.last_backend == "sdpa_math"
+
+
+# ----- GPU: every GPU backend against the float64 reference -----------------------------------------
+GPU_CASES = [
+    ("full", {}),
+    ("blockwise", {"mode": "exact", "block_size": 128}),
+    ("blockwise", {"mode": "local", "block_size": 128}),
+    ("blockwise", {"mode": "local", "block_size": 100}),  # blocks cross FlexAttention's 128-tiles
+    ("sliding_window", {"window": 64}),
+    ("sliding_window", {"window": 0}),
+    ("sliding_window", {"window": 32, "dilation": 2, "global_tokens": 40}),
+    ("sparse", {"pattern": "fixed", "block_size": 64}),
+    ("sparse", {"pattern": "strided", "block_size": 64}),
+    ("sparse", {"pattern": "bigbird", "block_size": 64}),
+]
+GPU_LENGTHS = (1000, 1537)  # not multiples of 128 (nor of 64 or 100)
+ERROR_FACTOR = 2.0
+
+
+def gpu_params():
+    for name, o in GPU_CASES:
+        attn = variants.build(name, **o)
+        for backend in attn.backend_names():
+            if not attn.backends[backend] and backend != "sdpa_math":
+                continue  # CPU backends: tested on CPU against the same reference
+            # FlexAttention compiles per (N, dtype, causal, mask): the second N only where it adds most.
+            lengths = GPU_LENGTHS if backend != "flex" or (name, o) == ("sliding_window", {"window": 64}) else (1000,)
+            for N in lengths:
+                yield pytest.param(name, o, backend, N, id=f"{_id(name, o)}-{backend}-N{N}")
+
+
+def _err(x, ref):
+    return (x.double() - ref).abs().max().item()
+
+
+def _floor(ref, dtype):
+    return 2 * (ref.to(dtype).double() - ref).abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name,options,backend,N", list(gpu_params()))
+def test_gpu_backend_matches_reference(name, options, backend, N, dtype, causal):
+    if backend == "xformers" and not xf.xformers_available():
+        pytest.skip("xformers does not import on this machine")
+    attn = variants.build(name, **options, backend=backend)
+    B, H, D = 2, 4, 64
+    q, k, v = qkv(B, H, N, D, dtype=dtype, seed=N, device="cuda")
+    try:
+        out = attn(q, k, v, causal=causal)
+    except VariantError as err:
+        if "has no kernel" in str(err):
+            pytest.skip(str(err))  # a capability fact (e.g. cudnn on this shape), not a wrong result
+        raise
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attn.reference(q64, k64, v64, causal=causal)
+    qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    naive = dense_attention(qn, kn, vn, attn.mask(N, causal).to("cuda"), attn.scale(D))
+    assert out.shape == ref.shape and out.dtype == dtype
+
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to("cuda")
+    got = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    want = torch.autograd.grad(ref, (q64, k64, v64), dout)
+    naive_g = torch.autograd.grad(naive, (qn, kn, vn), dout.to(dtype))
+    for what, g, w, n in [("out", out, ref, naive)] + list(zip(("dq", "dk", "dv"), got, want, naive_g)):
+        err, err_naive, floor = _err(g, w), _err(n, w), _floor(w, dtype)
+        assert err <= ERROR_FACTOR * err_naive + floor, (
+            f"{what}: max error {err:.3e} > {ERROR_FACTOR} x naive {err_naive:.3e} + floor {floor:.3e}")
+    if name == "full":
+        assert attn.last_backend in (variants.full.AUTO_CANDIDATES + (variants.full.AUTO_FALLBACK,)
+                                     if backend == "auto" else (backend,))
+
+
+@pytest.mark.gpu
+def test_auto_picks_once_and_records():
+    attn = variants.build("full", backend="auto")
+    q, k, v = qkv(2, 4, 1000, 64, dtype=torch.bfloat16, device="cuda")
+    attn(q, k, v, causal=True).sum().backward()
+    (key, choice), = attn.auto_choices.items()
+    assert attn.last_backend == choice and choice in variants.full.AUTO_CANDIDATES
+    assert key == ((2, 4, 1000, 64), torch.bfloat16, True, "cuda:0", True)
+    assert isinstance(attn.auto_timings[key][choice], float)
+    assert attn.auto_timings[key][choice] == min(t for t in attn.auto_timings[key].values() if isinstance(t, float))
+    timings = dict(attn.auto_timings)
+    attn(q, k, v, causal=True)  # same signature: no new timing
+    assert attn.auto_timings == timings and attn.last_backend == choice
+    with torch.no_grad():
+        attn(q, k, v, causal=True)  # forward only: timed on its own
+    assert len(attn.auto_choices) == 2
+
+
+@pytest.mark.gpu
+def test_flex_prepare_then_no_recompile():
+    from torch._dynamo.utils import counters
+
+    attn = variants.build("sliding_window", window=64, backend="flex")
+    shape = (2, 4, 1000, 64)
+    times = flex.prepare(attn, shape, torch.bfloat16, "cuda", causal=True)
+    assert times.block_mask_s > 0 and times.compile_s > 0
+    graphs = counters["stats"]["unique_graphs"]
+    q, k, v = qkv(*shape, dtype=torch.bfloat16, device="cuda")
+    attn(q, k, v, causal=True).sum().backward()
+    assert counters["stats"]["unique_graphs"] == graphs, "prepare must have compiled what the call runs"
+    stats = flex.block_mask_stats(attn, 1000, True, "cuda")
+    assert 0 < stats["tile_density"] < 1

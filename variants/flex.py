@@ -1,0 +1,228 @@
+"""FlexAttention backend (``flex``) for every mask-defined variant: one compiled kernel, any mask.
+
+The variant's element predicate ``allowed(i, j)`` (../shared/docs/variants.md; causality excluded)
+becomes FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) = allowed(q_idx, kv_idx) [& kv_idx <= q_idx]``
+and, through it, a ``BlockMask`` of 128×128 tiles: empty tiles are skipped, full tiles run without the
+mask_mod, partial tiles (band edges, the ragged last block when N is not a multiple of 128) apply it
+element by element. Layout-defined variants (sparse, blockwise local) look the block layout up in a
+tensor on the inputs' device; blockwise exact has no element restriction (only the causal one).
+
+Costs kept apart so the harness can log them outside its timed region:
+- ``block_mask(attn, N, causal, device)`` builds and caches the BlockMask per (N, causal, device).
+  ``create_block_mask`` evaluates the mask on the whole N×N grid (with int64 temporaries); above
+  ``CHUNK_ELEMENTS`` grid points it is evaluated in strips of query rows instead, so memory stays
+  O(strip·N) and the BlockMask is the same.
+- ``flex_attention`` is compiled once per process (lazily) with ``dynamic=False``: one specialisation
+  per (B, H, N, D, dtype, grad mode, mask_mod code and constants). ``prepare(...)`` builds the
+  BlockMask and runs one call (forward, and backward when asked) to trigger compilation, returning the
+  seconds spent on each.
+
+On CPU (torch 2.13) FlexAttention runs forward (compiled here) but has no backward: the ``flex``
+backend is registered as needing CUDA, and ``flex_forward`` is the helper the CPU tests call on
+inputs that do not require grad.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .base import Attention, VariantError
+
+BLOCK_SIZE = 128  # FlexAttention's sparse block (tile) size, both query and key
+CHUNK_ELEMENTS = 1 << 24  # above this many grid points (N > 4096), evaluate the mask in row strips
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+_compiled: Any = None
+
+
+def compiled_flex_attention():
+    """``torch.compile(flex_attention, dynamic=False)``, built on first use and shared by every variant.
+
+    Each (shape, dtype, mask_mod) combination is a recompilation of the same code object; torch's
+    default limit (8) would silently drop later combinations to eager FlexAttention, which
+    materialises the N×N scores and would make every later timing and memory figure meaningless.
+    The limits are raised once here (a process-wide setting, fine in a benchmark process).
+    """
+    global _compiled
+    if _compiled is None:
+        import torch._dynamo.config as dynamo_config
+        from torch.nn.attention.flex_attention import flex_attention
+
+        for names, floor in ((("recompile_limit", "cache_size_limit"), 1024),
+                             (("accumulated_recompile_limit", "accumulated_cache_size_limit"), 8192)):
+            name = next(n for n in names if hasattr(dynamo_config, n))  # newer name first (older torch)
+            if getattr(dynamo_config, name) < floor:
+                setattr(dynamo_config, name, floor)
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return _compiled
+
+
+# ----- mask_mod and BlockMask ------------------------------------------------------------------------
+def mask_mod(attn: Attention, seq_len: int, causal: bool, device: torch.device | str) -> MaskMod:
+    """FlexAttention mask_mod of a mask-defined variant: allowed(q_idx, kv_idx), and kv_idx <= q_idx
+    under causal. Every tensor it reads lives on ``device`` (it runs inside the compiled kernel)."""
+    pred = attn.predicate(seq_len, causal)
+    if pred is None:
+        # Layout-defined (sparse, blockwise): a lookup in the block layout, moved to the device once.
+        layout = attn.layout(seq_len, causal)
+        if not bool(layout.all()):  # all-true (blockwise exact): no element restriction
+            pred = _layout_lookup(layout, attn.engine_block_size(seq_len), seq_len, device)
+
+    # Causality as data, not code: kv_idx <= q_idx + reach with reach = 0 (causal) or N (no limit), so
+    # causal and non-causal calls share one compiled kernel (the BlockMask still skips future tiles).
+    reach = torch.tensor(0 if causal else seq_len, dtype=torch.int32, device=device)
+    if pred is None:
+        def within_reach(b_idx, h_idx, q_idx, kv_idx):
+            return kv_idx <= q_idx + reach
+        return within_reach
+
+    def allowed_within_reach(b_idx, h_idx, q_idx, kv_idx):
+        return pred(q_idx, kv_idx) & (kv_idx <= q_idx + reach)
+    return allowed_within_reach
+
+
+def _layout_lookup(layout: Tensor, b: int, seq_len: int, device: torch.device | str):
+    """allowed(i, j) = layout[i // b, j // b], with the layout padded by False blocks so that indices in
+    the kernel's padded last tile (up to the next multiple of BLOCK_SIZE) never read out of bounds."""
+    nb = layout.shape[0]
+    covered = math.ceil(seq_len / BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE  # a spare tile, for safety
+    n = max(nb, math.ceil(covered / b))
+    lay = torch.zeros(n, n, dtype=torch.bool)
+    lay[:nb, :nb] = layout
+    lay = lay.to(device)
+
+    def allowed(i: Tensor, j: Tensor) -> Tensor:
+        return lay[i // b, j // b]
+
+    return allowed
+
+
+def _create_block_mask_in_strips(mod: MaskMod, seq_len: int, device: torch.device, rows: int):
+    """Same BlockMask as ``create_block_mask(mod, None, None, N, N, device, BLOCK_SIZE)``, evaluating
+    the mask ``rows`` query rows at a time (``rows`` a multiple of BLOCK_SIZE)."""
+    from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+    N, bs = seq_len, BLOCK_SIZE
+    nb = -(-N // bs)
+    partial, full = [], []
+    for r0 in range(0, N, rows):
+        r1 = min(r0 + rows, N)
+
+        def shifted(b_idx, h_idx, q_idx, kv_idx, r0=r0):
+            return mod(b_idx, h_idx, q_idx + r0, kv_idx)
+
+        m = create_mask(shifted, 1, 1, r1 - r0, N, device)[0, 0]  # (r1 - r0, N) bool
+        # Pad with False to whole tiles (as create_block_mask does: a ragged tile is never full).
+        m = torch.nn.functional.pad(m, (0, nb * bs - N, 0, -(r1 - r0) % bs))
+        counts = m.view(-1, bs, nb, bs).sum(dim=(1, 3))  # (tiles in strip, nb)
+        full.append(counts == bs * bs)
+        partial.append((counts > 0) & (counts < bs * bs))
+        del m
+
+    def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
+        dense = dense.to(torch.int32)[None, None]  # (1, 1, nb, nb)
+        num = dense.sum(dim=-1).to(torch.int32)
+        idx = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+        return num.contiguous(), idx.contiguous()
+
+    kv_num, kv_idx = ordered(torch.cat(partial))
+    full_num, full_idx = ordered(torch.cat(full))
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs, mask_mod=mod,
+                                    seq_lengths=(N, N))
+
+
+def build_block_mask(attn: Attention, seq_len: int, causal: bool, device: torch.device | str,
+                     chunk_elements: int = CHUNK_ELEMENTS):
+    """A fresh BlockMask (uncached). ``create_block_mask`` up to ``chunk_elements`` grid points,
+    row strips above."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    device = torch.device(device)
+    mod = mask_mod(attn, seq_len, causal, device)
+    if seq_len * seq_len <= chunk_elements:
+        return create_block_mask(mod, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device,
+                                 BLOCK_SIZE=BLOCK_SIZE)
+    rows = max(BLOCK_SIZE, chunk_elements // seq_len // BLOCK_SIZE * BLOCK_SIZE)
+    return _create_block_mask_in_strips(mod, seq_len, device, rows)
+
+
+def block_mask(attn: Attention, seq_len: int, causal: bool, device: torch.device | str):
+    """The BlockMask for (N, causal, device), built once per variant instance and cached on it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cache = attn.__dict__.setdefault("_flex_block_masks", {})
+    key = (seq_len, causal, str(device))
+    if key not in cache:
+        cache[key] = build_block_mask(attn, seq_len, causal, device)
+    return cache[key]
+
+
+def block_mask_stats(attn: Attention, seq_len: int, causal: bool, device: torch.device | str = "cpu") -> dict:
+    """Tiles FlexAttention computes: partial (mask_mod applied), full, of nb² in all; executed pairs
+    counts every computed tile as BLOCK_SIZE² (what the kernel does)."""
+    bm = block_mask(attn, seq_len, causal, device)
+    partial = int(bm.kv_num_blocks.sum())
+    full = int(bm.full_kv_num_blocks.sum()) if bm.full_kv_num_blocks is not None else 0
+    nb = -(-seq_len // BLOCK_SIZE)
+    return {"partial_tiles": partial, "full_tiles": full, "tiles": nb * nb,
+            "tile_density": (partial + full) / (nb * nb), "executed_pairs": (partial + full) * BLOCK_SIZE**2}
+
+
+# ----- calls -----------------------------------------------------------------------------------------
+def flex_forward(attn: Attention, q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+                 compiled: bool = True) -> Tensor:
+    """FlexAttention on (B, H, N, D) inputs with the variant's mask, on any device.
+
+    This is the ``flex`` backend's body. On CPU it runs forward only (FlexAttention has no CPU
+    backward): pass inputs that do not require grad. ``compiled=False`` runs eager FlexAttention,
+    which materialises the scores (for debugging only).
+    """
+    if causal and not attn.supports_causal:
+        raise VariantError(attn.causal_error())
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = compiled_flex_attention() if compiled else flex_attention
+    bm = block_mask(attn, q.shape[-2], causal, q.device)
+    return fn(q, k, v, block_mask=bm, scale=attn.scale(q.shape[-1]))
+
+
+@dataclass(frozen=True)
+class PrepareTimes:
+    block_mask_s: float  # building the BlockMask (0 when it was cached)
+    compile_s: float  # first call: compilation (when this specialisation is new) plus one run
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prepare(attn: Attention, shape: tuple[int, int, int, int], dtype: torch.dtype,
+            device: torch.device | str, causal: bool = False, backward: bool = True) -> PrepareTimes:
+    """Warm-up for the ``flex`` backend: builds (and caches) the BlockMask, then runs one call on random
+    inputs of ``shape`` (B, H, N, D) and ``dtype`` so that compilation happens here, outside any timed
+    region. ``backward=True`` also compiles the backward (GPU only; CPU has none). Compilation is
+    specialised on shape, dtype and grad mode: prepare with what will be measured."""
+    device = torch.device(device)
+    N = shape[2]
+    t0 = time.perf_counter()
+    block_mask(attn, N, causal, device)
+    _sync(device)
+    t1 = time.perf_counter()
+    grad = backward and device.type != "cpu"
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
+    with torch.set_grad_enabled(grad):
+        out = flex_forward(attn, q, k, v, causal)
+        if grad:
+            out.backward(torch.randn_like(out))
+    _sync(device)
+    return PrepareTimes(block_mask_s=t1 - t0, compile_s=time.perf_counter() - t1)
