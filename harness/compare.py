@@ -1,0 +1,125 @@
+"""Compare two sets of results point by point: baseline A, candidate B.
+
+    python -m harness.compare A B [--threshold 0.10] [--fail-on-regression] [--metric fwd_bwd_ms,peak_mem_bytes]
+
+A and B are run/sweep directories or results .jsonl/.csv files. Points match on (variant, backend,
+options, seq_len, batch_size, num_heads, head_dim, dtype, causal), not on the device, so a CPU run can
+be set against a GPU run (the devices are printed). For each matched point and metric: A, B and B/A.
+A regression is B/A > 1 + threshold for lower-is-better metrics (times, memory, errors), B/A <
+1 - threshold for higher-is-better ones (throughput, accuracy, mass kept), or a point ok in A that is
+not ok in B. Exit status: 1 on a regression with --fail-on-regression, else 0; 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from harness.collect import InputError, compare_key, environment_fields, load_rows, number, series_key, series_labels
+
+HIGHER_IS_BETTER = {"tflops_fwd", "out_cos", "mass_kept", "task_accuracy"}
+
+
+def _fmt(metric: str, v: float | None) -> str:
+    if v is None:
+        return "—"
+    if metric.endswith("_bytes"):
+        return f"{v / 2 ** 20:.1f}MiB"
+    return f"{v:.4g}"
+
+
+def compare(rows_a: list[dict], rows_b: list[dict], metrics: list[str], threshold: float) -> dict[str, Any]:
+    """{'table': [[series, N, per metric: A, B, B/A, flag]...], 'regressions': points regressed,
+    'only_a' / 'only_b': unmatched points}."""
+    a = {compare_key(r): r for r in rows_a}  # last wins if A holds the same point on two devices
+    b = {compare_key(r): r for r in rows_b}
+    # Label series without the device, so a point of A and its match in B share a label.
+    labels = series_labels(series_key(r)._replace(device=None) for r in [*rows_a, *rows_b])
+
+    def label(r: dict) -> str:
+        return labels[series_key(r)._replace(device=None)]
+
+    table, regressions = [], 0
+    for key in sorted(a.keys() & b.keys(), key=lambda k: (label(a[k]), a[k]["seq_len"])):
+        ra, rb = a[key], b[key]
+        row: list[str] = [label(ra), str(ra["seq_len"])]
+        for m in metrics:
+            va = number(ra.get(m)) if ra.get("status") == "ok" else None
+            vb = number(rb.get(m)) if rb.get("status") == "ok" else None
+            ratio = vb / va if va and vb is not None else None
+            if ra.get("status") == "ok" and rb.get("status") != "ok":
+                flag = f"REGRESSION (ok -> {rb.get('status')})"
+            elif ratio is None:
+                flag = "" if ra.get("status") == rb.get("status") else f"{ra.get('status')} -> {rb.get('status')}"
+            elif m in HIGHER_IS_BETTER:
+                flag = "REGRESSION" if ratio < 1 - threshold else "better" if ratio > 1 + threshold else ""
+            else:
+                flag = "REGRESSION" if ratio > 1 + threshold else "better" if ratio < 1 - threshold else ""
+            row += [_fmt(m, va), _fmt(m, vb), "—" if ratio is None else f"{ratio:.3f}", flag]
+        regressions += any(c.startswith("REGRESSION") for c in row)  # points, not point x metric
+        table.append(row)
+    def unmatched(mine: dict, other: dict) -> list[str]:
+        """'series N=n1,n2,...' for the points of ``mine`` with no match in ``other``."""
+        by_series: dict[str, list[int]] = {}
+        for k, r in mine.items():
+            if k not in other:
+                by_series.setdefault(label(r), []).append(r["seq_len"])
+        return [f"{s} N={','.join(map(str, sorted(ns)))}" for s, ns in sorted(by_series.items())]
+
+    return {"table": table, "regressions": regressions, "only_a": unmatched(a, b), "only_b": unmatched(b, a)}
+
+
+def _devices(rows: list[dict]) -> str:
+    """device, and any environment field naming the hardware (device name, GPU model)."""
+    fields = ["device"] + [f for f in environment_fields(rows) if f != "device" and ("device" in f or "gpu" in f)]
+    return "; ".join(f"{f} " + ", ".join(sorted({str(r.get(f)) for r in rows})) for f in fields)
+
+
+def _print_table(head: list[str], body: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    for row in [head, *body]:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("a", help="baseline: a results directory or results .jsonl/.csv file")
+    p.add_argument("b", help="candidate: a results directory or results .jsonl/.csv file")
+    p.add_argument("--threshold", type=float, default=0.10, help="relative change that counts (default 0.10)")
+    p.add_argument("--fail-on-regression", action="store_true", help="exit 1 when any point regressed")
+    p.add_argument("--metric", default="fwd_bwd_ms,peak_mem_bytes", help="comma-separated metrics")
+    args = p.parse_args(argv)
+    metrics = [m.strip() for m in args.metric.split(",") if m.strip()]
+    try:
+        if not metrics:
+            raise InputError("--metric: no metric given")
+        if args.threshold < 0:
+            raise InputError(f"--threshold must be >= 0; got {args.threshold}")
+        rows_a, rows_b = load_rows(args.a), load_rows(args.b)
+        unknown = [m for m in metrics if not any(m in r for r in [*rows_a, *rows_b])]
+        if unknown:
+            raise InputError(f"--metric: {', '.join(unknown)} in neither A nor B")
+    except InputError as err:
+        print(f"compare: error: {err}", file=sys.stderr)
+        return 2
+
+    result = compare(rows_a, rows_b, metrics, args.threshold)
+    print(f"A (baseline):  {args.a}  [{len(rows_a)} points; {_devices(rows_a)}]")
+    print(f"B (candidate): {args.b}  [{len(rows_b)} points; {_devices(rows_b)}]")
+    print(f"threshold {args.threshold:.0%}; ratio = B/A\n")
+    head = ["series", "N"] + [f"{m} {c}" if c else "" for m in metrics for c in ("A", "B", "B/A", "")]
+    if result["table"]:
+        _print_table(head, result["table"])
+    else:
+        print("  no matching points")
+    for side, name in (("only_a", "A"), ("only_b", "B")):
+        if result[side]:
+            print(f"\nonly in {name}:\n  " + "\n  ".join(result[side]))
+    n = result["regressions"]
+    print(f"\n{n} of {len(result['table'])} matched points regressed")
+    return 1 if n and args.fail_on_regression else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

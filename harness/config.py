@@ -1,0 +1,181 @@
+"""The typed, validated configuration of a sweep, checked before anything is measured or written.
+
+No torch import here: the command line refuses a misspelt key, a bad length or dtype in a fraction of
+a second. Every message is one line naming the problem and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+PASSES = ("fwd", "bwd", "fwd_bwd")
+TIMERS = ("blocked", "adaptive")
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    passes: tuple[str, ...] = PASSES  # which of fwd, bwd, fwd_bwd to time
+    warmup_iters: int = 1  # forward+backward calls before anything is measured
+    min_run_time: float = 0.5  # seconds of measured calls per pass (GPU: do_bench's rep, in s here)
+    timer: str = "blocked"  # CPU: blocked (blocked_autorange) | adaptive (adaptive_autorange)
+    memory: bool = True  # measure the forward+backward peak memory
+    param_grads: bool = False  # also compute gradients of the variant's own parameters (linear's E, F)
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_BUDGET_SHARE = 0.5  # of MemAvailable: the CPU memory budget when memory_budget_gb is null
+
+
+class ConfigError(ValueError):
+    """Bad configuration. The message is one line naming the problem and the allowed values."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    variant: Mapping[str, Any]  # the variant's config: _target_ and options (num_heads filled in)
+    seq_lens: tuple[int, ...]
+    batch_size: int
+    num_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    causal: bool
+    seed: int
+    memory_budget_gb: float | None
+    output_dir: str | None
+    measure: MeasureOptions
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+# ----- validation ----------------------------------------------------------------------------------
+
+TOP_KEYS = ("variant", "seq_len", "seq_lens", "batch_size", "num_heads", "head_dim", "dtype", "device",
+            "causal", "seed", "memory_budget_gb", "output_dir", "measure")
+MEASURE_KEYS = tuple(f.name for f in dataclasses.fields(MeasureOptions))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _positive_int(name: str, x: Any) -> int:
+    if not _is_int(x) or x <= 0:
+        raise ConfigError(f"{name} must be an integer > 0; got {x!r}")
+    return x
+
+
+def _bool(name: str, x: Any) -> bool:
+    if not isinstance(x, bool):
+        raise ConfigError(f"{name} must be true or false; got {x!r}")
+    return x
+
+
+def _unknown_keys(where: str, given: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise ConfigError(f"unknown {where} {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}")
+
+
+def _seq_lens(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    def as_list(name: str, x: Any) -> list[int]:
+        values = list(x) if isinstance(x, (list, tuple)) else [x]
+        if not values:
+            raise ConfigError(f"{name} must name at least one sequence length (integers > 0); got []")
+        return [_positive_int(name, v) for v in values]
+
+    seq_len, seq_lens = cfg.get("seq_len"), cfg.get("seq_lens")
+    if seq_len is None and seq_lens is None:
+        raise ConfigError("set seq_len (an integer > 0) or seq_lens (a list of them)")
+    single = as_list("seq_len", seq_len) if seq_len is not None else []
+    many = as_list("seq_lens", seq_lens) if seq_lens is not None else single  # seq_lens, when set, wins
+    return tuple(dict.fromkeys(many))  # in the given order, repeats dropped
+
+
+def _measure(cfg: Mapping[str, Any] | None) -> MeasureOptions:
+    cfg = dict(cfg or {})
+    _unknown_keys("measure option", cfg, MEASURE_KEYS)
+    m = dataclasses.replace(MeasureOptions(), **cfg)
+    passes = [m.passes] if isinstance(m.passes, str) else list(m.passes or [])
+    bad = [p for p in passes if p not in PASSES]
+    if not passes or bad:
+        raise ConfigError(f"measure.passes must be a non-empty list of {', '.join(PASSES)}; got {m.passes!r}")
+    if not _is_int(m.warmup_iters) or m.warmup_iters < 0:
+        raise ConfigError(f"measure.warmup_iters must be an integer >= 0; got {m.warmup_iters!r}")
+    if not _is_number(m.min_run_time) or m.min_run_time <= 0:
+        raise ConfigError(f"measure.min_run_time must be a number of seconds > 0; got {m.min_run_time!r}")
+    if m.timer not in TIMERS:
+        raise ConfigError(f"unknown measure.timer {m.timer!r}; allowed: {', '.join(TIMERS)}")
+    _bool("measure.memory", m.memory)
+    _bool("measure.param_grads", m.param_grads)
+    return dataclasses.replace(m, passes=tuple(p for p in PASSES if p in passes), min_run_time=float(m.min_run_time))
+
+
+def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
+    if isinstance(cfg, DictConfig):
+        try:
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        except Exception as e:  # an interpolation that does not resolve
+            raise ConfigError(one_line(f"config does not resolve: {e}")) from None
+    cfg = dict(cfg)
+    _unknown_keys("config key", cfg, TOP_KEYS)
+    variant = cfg.get("variant")
+    if not isinstance(variant, Mapping) or "_target_" not in variant:
+        names = ", ".join(variant_names())
+        raise ConfigError(f"no variant chosen (a conf/variant/*.yaml with _target_); allowed: {names}")
+    dtype = cfg.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    device = cfg.get("device", "auto")
+    if device not in DEVICES:
+        raise ConfigError(f"unknown device {device!r}; allowed: {', '.join(DEVICES)}")
+    budget = cfg.get("memory_budget_gb")
+    if budget is not None and (not _is_number(budget) or budget <= 0):
+        raise ConfigError(f"memory_budget_gb must be a number of GB > 0, or null for {DEFAULT_BUDGET_SHARE} of "
+                          f"the available memory; got {budget!r}")
+    seed = cfg.get("seed", 0)
+    if not _is_int(seed) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0; got {seed!r}")
+    output_dir = cfg.get("output_dir")
+    if output_dir is not None and not isinstance(output_dir, str):
+        raise ConfigError(f"output_dir must be a path or null; got {output_dir!r}")
+    num_heads = _positive_int("num_heads", cfg.get("num_heads"))
+    variant = dict(variant)
+    if "num_heads" in variant and variant["num_heads"] is None:
+        variant["num_heads"] = num_heads  # linear share=none: one E_h, F_h per head of the workload
+    return Settings(
+        variant=variant,
+        seq_lens=_seq_lens(cfg),
+        batch_size=_positive_int("batch_size", cfg.get("batch_size")),
+        num_heads=num_heads,
+        head_dim=_positive_int("head_dim", cfg.get("head_dim")),
+        dtype=dtype,
+        device=device,
+        causal=_bool("causal", cfg.get("causal", False)),
+        seed=seed,
+        memory_budget_gb=None if budget is None else float(budget),
+        output_dir=output_dir,
+        measure=_measure(cfg.get("measure")),
+    )
+
+
+def variant_names() -> list[str]:
+    return sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "variant").glob("*.yaml"))
+
+
+def one_line(text: Any) -> str:
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())

@@ -1,0 +1,146 @@
+"""The environment a sweep ran in, recorded with every point: numbers are only comparable within one.
+
+Versions of optional packages are read from their metadata, never by importing them: importing xformers
+on a CPU-only torch prints warnings about its missing extension, and triton is not needed to know it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Environment:
+    device_name: str
+    num_threads: int
+    torch_version: str
+    cuda_version: str | None  # torch.version.cuda (None on a CPU build)
+    cudnn_version: int | None
+    triton_version: str | None
+    xformers_version: str | None
+    hostname: str
+    gpu_clocks: str | None  # nvidia-smi's current SM/memory clocks, where it answers
+    load_avg_1m: float | None  # the machine's load when the sweep started: others' work skews timings
+    allocator: str  # CPU memory allocator (LD_PRELOAD): glibc page-faults every temporary over 32 MiB
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_clocks() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def collect(device: torch.device) -> Environment:
+    cuda = device.type == "cuda"
+    return Environment(
+        device_name=torch.cuda.get_device_name(device) if cuda else cpu_name(),
+        num_threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
+        cudnn_version=torch.backends.cudnn.version() if cuda else None,
+        triton_version=package_version("triton"),
+        xformers_version=package_version("xformers"),
+        hostname=socket.gethostname(),
+        gpu_clocks=gpu_clocks() if cuda else None,
+        load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        allocator=allocator(),
+    )
+
+
+GLIBC_TUNING = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+
+
+def allocator() -> str:
+    """The CPU allocator and its settings. It matters: glibc serves every allocation above its mmap
+    threshold (at most 32 MiB unless set) with fresh pages, page-faulted and zeroed on each call."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    for name in ("jemalloc", "tcmalloc", "mimalloc"):
+        if name in preload:
+            conf = os.environ.get("MALLOC_CONF", "")
+            return name + (f" ({conf})" if conf else "")
+    tuning = [f"{k}={os.environ[k]}" for k in GLIBC_TUNING if k in os.environ]
+    return "glibc" + (f" ({', '.join(tuning)})" if tuning else "")
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo: what can be allocated without swapping (None off Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel's "kB" is KiB
+    except OSError:
+        pass
+    return None
+
+
+class OtherLoad:
+    """Average number of cores used by other processes (and stolen by the hypervisor) between start()
+    and stop(): a shared machine's other work slows the timed code, so every point records it."""
+
+    def __init__(self) -> None:
+        self._start: tuple[float, float, float] | None = None
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+        t = os.times()
+        return time.monotonic(), busy, t.user + t.system
+
+    def start(self) -> None:
+        self._start = self._sample()
+
+    def stop(self) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None or end[0] - self._start[0] < 0.05:
+            return None
+        (t0, busy0, own0), (t1, busy1, own1) = self._start, end
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))

@@ -1,0 +1,143 @@
+"""wandb logging: one harness run is one wandb run, inside Hydra's output directory.
+
+The mode is ``logger.mode`` when given, else ``WANDB_MODE``, else online with credentials and offline
+without. Online never hangs the harness: a short init timeout, and on failure one warning line and an
+offline run instead (the local results are written as always). The run is a context manager, so a job
+that raises is closed as failed and the next job in the same process gets a run of its own.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+MODES = ("online", "offline", "disabled")
+# Per-point metrics plotted against seq_len; task curves have their own step.
+POINT_METRICS = ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "peak_mem_bytes", "peak_mem_abs_bytes", "tflops_fwd",
+                 "out_rel_err", "out_cos", "out_max_abs_err", "grad_rel_err", "mass_kept",
+                 "task_accuracy", "task_loss")
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    name: str = "wandb"  # wandb | none
+    mode: str | None = None  # online | offline | disabled; null: WANDB_MODE, else by credentials
+    project: str = "attention-harness"
+    entity: str | None = None
+    init_timeout_s: float = 20.0  # online only: then fall back to offline
+
+    def __post_init__(self) -> None:
+        if self.name not in ("wandb", "none"):
+            raise ValueError(f"logger: unknown logger {self.name!r}; allowed: wandb, none")
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"logger: unknown mode {self.mode!r}; allowed: {', '.join(MODES)}")
+
+
+def has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def resolve_mode(cfg: LoggerConfig) -> str:
+    if cfg.name == "none":
+        return "disabled"
+    if cfg.mode is not None:
+        return cfg.mode
+    env = os.environ.get("WANDB_MODE", "").lower()
+    if env in MODES:
+        return env
+    if env == "dryrun":
+        return "offline"
+    return "online" if has_credentials() else "offline"
+
+
+class RunLogger:
+    """What the harness logs; a no-op when wandb is disabled."""
+
+    def __init__(self, run: Any | None) -> None:
+        self.run = run
+        if run is not None:
+            run.define_metric("seq_len")
+            for name in POINT_METRICS:
+                run.define_metric(name, step_metric="seq_len")
+            run.define_metric("task/step")
+            run.define_metric("task/*", step_metric="task/step")
+
+    @property
+    def directory(self) -> Path | None:
+        return None if self.run is None else Path(self.run.dir).parent
+
+    def log_point(self, row: dict[str, Any]) -> None:
+        """One measured point: every number of the results row (seq_len is the x-axis)."""
+        if self.run is not None:
+            self.run.log({k: v for k, v in row.items() if _is_number(v)})
+
+    def log_task_step(self, seq_len: int, step: int, metrics: dict[str, float]) -> None:
+        if self.run is not None:
+            self.run.log({"task/step": step, "task/seq_len": seq_len,
+                          **{f"task/{k}": v for k, v in metrics.items()}})
+
+    def log_points_table(self, rows: list[dict[str, Any]]) -> None:
+        """A wandb.Table of all points and line plots of time and memory against seq_len."""
+        if self.run is None or not rows:
+            return
+        import wandb
+
+        columns = list(rows[0])
+        table = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows])
+        ok = [r for r in rows if r.get("status") == "ok"]
+        plots = {}
+        if ok:
+            for metric, title in (("fwd_bwd_ms", "forward+backward time (ms)"),
+                                  ("peak_mem_bytes", "peak memory, forward+backward (bytes)")):
+                t = wandb.Table(columns=["seq_len", metric], data=[[r["seq_len"], r[metric]] for r in ok])
+                plots[f"plot/{metric}"] = wandb.plot.line(t, "seq_len", metric, title=f"{title} vs seq_len")
+        self.run.log({"points": table, **plots})
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.run is not None:
+            for k, v in values.items():
+                self.run.summary[k] = v
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _cell(v: Any) -> Any:
+    return v if v is None or isinstance(v, (int, float, str, bool)) else str(v)
+
+
+@contextmanager
+def wandb_run(cfg: LoggerConfig, directory: Path, config: dict[str, Any], *, name: str | None = None,
+              group: str | None = None, tags: list[str] | None = None) -> Iterator[RunLogger]:
+    mode = resolve_mode(cfg)
+    if mode == "disabled":
+        yield RunLogger(None)
+        return
+    import wandb
+
+    directory.mkdir(parents=True, exist_ok=True)
+    kwargs = dict(dir=str(directory), project=cfg.project, entity=cfg.entity, config=config, name=name,
+                  group=group, tags=tags, reinit="create_new")
+    try:
+        run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=cfg.init_timeout_s, silent=True),
+                         **kwargs)
+    except Exception as err:  # online init failed (no network, bad key): never lose the local results
+        if mode != "online":
+            raise
+        print(f"warning: wandb online init failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+              f"logging offline instead (sync later with `wandb sync {directory}/wandb/offline-run-*`)",
+              file=sys.stderr)
+        run = wandb.init(mode="offline", settings=wandb.Settings(silent=True), **kwargs)
+    with run:
+        yield RunLogger(run)

@@ -1,0 +1,416 @@
+"""Report of a sweep: one table, plots against sequence length, and a self-contained report.html.
+
+    python -m harness.report SWEEP_DIR [--out DIR] [--wandb]
+
+Collects every results.jsonl under SWEEP_DIR (duplicates of a point: the last wins) and writes to
+``--out`` (default SWEEP_DIR/report): results.csv, one PNG per plot, report.html (PNGs embedded, so it
+opens anywhere). With ``--wandb`` the plots and tables also go to a wandb run in group = the sweep dir's
+name (mode: WANDB_MODE, else online with credentials, offline without).
+
+Comparisons with full: within one (causal, dtype, device, shape) group, each non-full series against
+the *best* full backend at each N (fastest for time, smallest for memory), so a variant is credited
+only for beating the strongest exact baseline measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import sys
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from harness.collect import (FULL, STATUSES, InputError, Series, columns, environment_fields, group_series,
+                             load_rows, ok_value, series_labels, write_csv)
+from harness.results import loglog_slope
+
+Rows = list[dict[str, Any]]
+MIB = 2.0 ** 20
+# (metric, title, y label, y scale): absolute plots, fitted exponent in the legend.
+SCALING_PLOTS = (
+    ("fwd_ms", "Forward time", "ms", 1.0),
+    ("bwd_ms", "Backward time", "ms", 1.0),
+    ("fwd_bwd_ms", "Forward + backward time", "ms", 1.0),
+    ("peak_mem_bytes", "Peak memory, forward + backward (extra over inputs)", "MiB", MIB),
+)
+SPEEDUP_METRICS = (("fwd_ms", "forward"), ("fwd_bwd_ms", "forward + backward"))
+FIDELITY_PLOTS = (  # drawn only when some row has the field; log y where errors span decades
+    ("out_rel_err", "Output relative error vs exact", True),
+    ("grad_rel_err", "Gradient relative error vs exact", True),
+    ("mass_kept", "Softmax mass kept by the mask", False),
+    ("task_accuracy", "MQAR task accuracy", False),
+)
+
+
+# ----- analysis (pure functions, tested directly) --------------------------------------------------
+
+def fit_exponent(ns: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of log y against log N over the positive points: y ∝ N^slope.
+    None with fewer than 2 distinct N."""
+    pts = [(n, y) for n, y in zip(ns, ys) if n > 0 and y is not None and y > 0]
+    if len({n for n, _ in pts}) < 2:
+        return None
+    return loglog_slope([n for n, _ in pts], [y for _, y in pts])
+
+
+def series_exponent(rows: Rows, metric: str) -> float | None:
+    ok = [(r["seq_len"], ok_value(r, metric)) for r in rows if ok_value(r, metric) is not None]
+    return fit_exponent([n for n, _ in ok], [y for _, y in ok])
+
+
+def reference(full_series: list[Rows], metric: str) -> dict[int, float | None]:
+    """N -> the best (smallest) ok value of ``metric`` over the full backends; None where full was
+    measured at N but no backend was ok (oom/skipped/error)."""
+    ref: dict[int, float | None] = {}
+    for rows in full_series:
+        for r in rows:
+            v, n = ok_value(r, metric), r["seq_len"]
+            if v is not None and (ref.get(n) is None or v < ref[n]):
+                ref[n] = v
+            else:
+                ref.setdefault(n, None)
+    return ref
+
+
+def crossover(rows: Rows, ref: dict[int, float | None], metric: str) -> tuple[int | None, bool]:
+    """First N from which the series stays faster than full, over the N both measured.
+
+    Faster at N: the series is ok and full is slower or failed there. A series point that ran out of
+    memory counts as not faster; one skipped or in error is left out (it says nothing about speed).
+    Returns (N, faster at every compared N), or (None, False) when not faster at the largest compared N.
+    """
+    faster = [(r["seq_len"], ok_value(r, metric) is not None
+               and (ref[r["seq_len"]] is None or ok_value(r, metric) < ref[r["seq_len"]]))
+              for r in rows if r["seq_len"] in ref and r.get("status") in ("ok", "oom")]
+    first = None
+    for n, f in faster:
+        first = (first if first is not None else n) if f else None
+    return first, bool(faster) and first == faster[0][0]
+
+
+def max_fitting(rows: Rows) -> tuple[int | None, int | None, str | None]:
+    """(largest ok N, first N that ran out of memory or was skipped, that status)."""
+    ok = [r["seq_len"] for r in rows if r.get("status") == "ok"]
+    failed = [(r["seq_len"], r["status"]) for r in rows if r.get("status") in ("oom", "skipped")]
+    first = min(failed) if failed else (None, None)
+    return (max(ok) if ok else None), first[0], first[1]
+
+
+def reference_groups(groups: dict[Series, Rows]) -> dict[tuple, list[Series]]:
+    """(causal, dtype, device, shape) -> the full series in it: what each other series is compared with."""
+    refs: dict[tuple, list[Series]] = defaultdict(list)
+    for s in groups:
+        if s.variant == FULL:
+            refs[_ref_key(s)].append(s)
+    return refs
+
+
+def _ref_key(s: Series) -> tuple:
+    return (s.causal, s.dtype, s.device, s.shape)
+
+
+# ----- plots ---------------------------------------------------------------------------------------
+
+def _axes(title: str, ylabel: str, ns: list[int]):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel(ylabel)
+    ax.set_xscale("log", base=2)
+    ax.grid(True, which="both", alpha=0.3)
+    if 0 < len(ns) <= 14:  # label the measured N themselves rather than powers of 2
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.minorticks_off()
+    return fig, ax
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.axes[0].legend(fontsize=7, loc="best")
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.1, top=0.88)  # fixed: tight_layout doubles the time
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _headroom(ax) -> None:
+    """Raise the (log) y top by 20% of the range so the markers at the top do not sit on the data."""
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi * (hi / lo) ** 0.2)
+
+
+def _mark_failures(ax, rows: Rows, color, index: int) -> None:
+    """Not-ok points as an 'x' at the top of the axis at their N, labelled with the status."""
+    top = ax.get_xaxis_transform()  # x in data, y in axes fraction
+    for r in rows:
+        if r.get("status") != "ok":
+            ax.plot([r["seq_len"]], [0.97], "x", color=color, transform=top, markersize=8, mew=2)
+            ax.annotate(str(r.get("status")), (r["seq_len"], 0.97), xycoords=top, textcoords="offset points",
+                        xytext=(4, -4 - 7 * index), fontsize=6, color=color)
+
+
+def scaling_plot(groups: dict[Series, Rows], labels: dict[Series, str], metric: str, title: str,
+                 unit: str, scale: float, path: Path) -> Path:
+    ns = sorted({r["seq_len"] for rows in groups.values() for r in rows})
+    fig, ax = _axes(f"{title} vs N (log-log; x at top: not ok at that N)", unit, ns)
+    any_ok = False
+    for i, (s, rows) in enumerate(sorted(groups.items(), key=lambda kv: labels[kv[0]])):
+        ok = [(r["seq_len"], ok_value(r, metric)) for r in rows if ok_value(r, metric) is not None]
+        slope = series_exponent(rows, metric)
+        label = labels[s] + (f"  ($\\propto N^{{{slope:.2f}}}$)" if slope is not None else "")
+        (line,) = ax.plot([n for n, _ in ok], [v / scale for _, v in ok], "o-", label=label, markersize=3)
+        any_ok |= bool(ok)
+        _mark_failures(ax, rows, line.get_color(), i)
+    if any_ok:
+        ax.set_yscale("log")
+        _headroom(ax)
+    return _save(fig, path)
+
+
+def ratio_plot(groups: dict[Series, Rows], labels: dict[Series, str], metric: str, speedup: bool,
+               title: str, path: Path) -> Path:
+    """speedup: full/series time (> 1: the variant is faster); else series/full memory (< 1: smaller)."""
+    refs = reference_groups(groups)
+    ns = sorted({r["seq_len"] for rows in groups.values() for r in rows})
+    backends = sorted({str(s.backend) for ss in refs.values() for s in ss})
+    best = "smallest" if not speedup else "fastest"
+    vs = f"full/{backends[0]}" if len(backends) == 1 else f"the {best} full backend at each N ({', '.join(backends)})"
+    fig, ax = _axes(f"{title} vs {vs}\n(^ at top: full failed there, the variant ran)",
+                    "speed-up (full time / variant time)" if speedup else "memory ratio (variant / full)", ns)
+    ax.axhline(1.0, color="black", lw=0.8)
+    top = ax.get_xaxis_transform()
+    for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]):
+        if s.variant == FULL or _ref_key(s) not in refs:
+            continue
+        ref = reference([groups[f] for f in refs[_ref_key(s)]], metric)
+        pts, full_failed = [], []
+        for r in rows:
+            v, n = ok_value(r, metric), r["seq_len"]
+            if v is not None and n in ref:
+                if ref[n] is None:
+                    full_failed.append(n)
+                elif v > 0:
+                    pts.append((n, ref[n] / v if speedup else v / ref[n]))
+        (line,) = ax.plot([n for n, _ in pts], [x for _, x in pts], "o-", markersize=3, label=labels[s])
+        if full_failed:
+            ax.plot(full_failed, [0.97] * len(full_failed), "^", color=line.get_color(), transform=top)
+    ax.set_yscale("log")
+    _headroom(ax)
+    return _save(fig, path)
+
+
+def value_plot(groups: dict[Series, Rows], labels: dict[Series, str], metric: str, title: str, logy: bool,
+               path: Path) -> Path:
+    ns = sorted({r["seq_len"] for rows in groups.values() for r in rows})
+    fig, ax = _axes(f"{title} vs N", metric, ns)
+    for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]):
+        pts = [(r["seq_len"], ok_value(r, metric)) for r in rows if ok_value(r, metric) is not None]
+        if pts:
+            ax.plot([n for n, _ in pts], [v for _, v in pts], "o-", markersize=3, label=labels[s])
+    if logy and any(v > 0 for line in ax.get_lines() for v in line.get_ydata()):
+        ax.set_yscale("log")
+    return _save(fig, path)
+
+
+# ----- tables ------------------------------------------------------------------------------------
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def series_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
+    head = ["series", "variant", "backend", "options", "causal", "dtype", "device", "B,H,D",
+            *STATUSES, "exp. fwd", "exp. bwd", "exp. mem"]
+    body = []
+    for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]):
+        counts = [sum(r.get("status") == st for r in rows) for st in STATUSES]
+        exps = [series_exponent(rows, m) for m in ("fwd_ms", "bwd_ms", "peak_mem_bytes")]
+        body.append([labels[s], s.variant, s.backend, ", ".join(f"{k}={v}" for k, v in s.opts), s.causal,
+                     s.dtype, s.device, ",".join(map(str, s.shape)), *counts,
+                     *[None if e is None else f"{e:.2f}" for e in exps]])
+    return head, body
+
+
+def crossover_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
+    head = ["series", *[f"faster than full from N ({name})" for _, name in SPEEDUP_METRICS]]
+    refs = reference_groups(groups)
+    body = []
+    for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]):
+        if s.variant == FULL:
+            continue
+        if _ref_key(s) not in refs:
+            body.append([labels[s], *["no full series to compare"] * len(SPEEDUP_METRICS)])
+            continue
+        cells = []
+        for metric, _ in SPEEDUP_METRICS:
+            n, always = crossover(rows, reference([groups[f] for f in refs[_ref_key(s)]], metric), metric)
+            cells.append("none in range" if n is None else f"{n} (faster at every N)" if always else n)
+        body.append([labels[s], *cells])
+    return head, body
+
+
+def fitting_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
+    head = ["series", "largest N that fits (ok)", "first N oom/skipped", "status there", "largest N tried"]
+    body = [[labels[s], *max_fitting(rows), max(r["seq_len"] for r in rows)]
+            for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]])]
+    return head, body
+
+
+def failures_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
+    body = [[labels[s], r["seq_len"], r.get("status"), r.get("reason")]
+            for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]])
+            for r in rows if r.get("status") != "ok"]
+    return ["series", "N", "status", "reason"], body
+
+
+def environment_table(rows: Rows) -> tuple[list[str], list[list[Any]]]:
+    body = []
+    for field in environment_fields(rows):
+        values = sorted({str(r[field]) for r in rows if r.get(field) is not None})
+        if field == "date" and values:  # one per point: the span is what matters
+            shown = f"{values[0]} … {values[-1]}"
+        else:
+            shown = ", ".join(values[:5]) + (f" … ({len(values)} distinct)" if len(values) > 5 else "")
+        body.append([field, shown or None])
+    return ["field", "values"], body
+
+
+# ----- output ------------------------------------------------------------------------------------
+
+def _html_table(head: list[str], body: list[list[Any]]) -> str:
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    trs = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row) + "</tr>" for row in body)
+    return f"<table><tr>{th}</tr>{trs}</table>"
+
+
+def write_html(path: Path, sweep: Path, rows: Rows, tables: dict[str, tuple], images: dict[str, Path]) -> None:
+    statuses = ", ".join(f"{sum(r.get('status') == s for r in rows)} {s}" for s in STATUSES)
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>Attention benchmark report: {html.escape(sweep.name)}</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;"
+        "font-size:13px;margin-bottom:1.5em}td,th{border:1px solid #ccc;padding:3px 7px;text-align:left}"
+        "th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}</style></head><body>",
+        f"<h1>Attention benchmark report: {html.escape(sweep.name)}</h1>",
+        f"<p>Source: <code>{html.escape(str(sweep))}</code>. {len(rows)} points ({statuses}). "
+        f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. All points: <code>results.csv</code> "
+        "next to this file. Speed-up and memory ratios compare each variant with the best full backend "
+        "measured at each N with the same causal flag, dtype, device and shape.</p>",
+    ]
+    for title, head, body in tables.values():
+        if body:
+            parts.append(f"<h2>{html.escape(title)}</h2>{_html_table(head, body)}")
+    for name, img in images.items():
+        data = base64.b64encode(img.read_bytes()).decode()
+        parts.append(f"<h2>{html.escape(name)}</h2><img alt='{html.escape(name)}' src='data:image/png;base64,{data}'>")
+    parts.append("</body></html>")
+    path.write_text("\n".join(parts))
+
+
+def log_wandb(out: Path, sweep: Path, images: dict[str, Path], rows: Rows, tables: dict[str, tuple]) -> None:
+    """The same plots (wandb.Image) and tables (wandb.Table) in one wandb run of the sweep's group."""
+    import wandb
+
+    from harness.logger import LoggerConfig, wandb_run
+
+    def cell(v: Any) -> Any:
+        return v if v is None or isinstance(v, (int, float, str, bool)) else str(v)
+
+    cols = columns(rows)
+    payload = {f"plot/{p.stem}": wandb.Image(str(p), caption=name) for name, p in images.items()}
+    payload["table/results"] = wandb.Table(columns=cols, data=[[cell(r.get(c)) for c in cols] for r in rows])
+    for key, (_, head, body) in tables.items():
+        payload[f"table/{key}"] = wandb.Table(columns=head, data=[[_fmt(c) for c in row] for row in body])
+    # wandb_run: `with wandb.init(...) as run`, mode from WANDB_MODE / credentials, falls back offline.
+    group = sweep.resolve().name
+    with wandb_run(LoggerConfig(), out, config={"sweep_dir": str(sweep.resolve())}, name=f"report-{group}",
+                   group=group, tags=["report"]) as logger:
+        if logger.run is not None:
+            logger.run.log(payload)
+
+
+def make_report(sweep: Path, out: Path) -> tuple[Rows, dict[str, tuple], dict[str, Path]]:
+    rows = load_rows(sweep)  # first: bad input fails before the slow imports
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    out.mkdir(parents=True, exist_ok=True)
+    groups = group_series(rows)
+    labels = series_labels(groups)
+    rows = [r for s in sorted(groups, key=labels.get) for r in groups[s]]  # readable order in the CSV
+    write_csv(rows, out / "results.csv")
+
+    def has(metric: str, variants: str = "any") -> bool:  # any ok value to draw (of a non-full series)?
+        return any(ok_value(r, metric) is not None for r in rows if variants == "any" or r["variant"] != FULL)
+
+    images: dict[str, Path] = {}  # title -> PNG
+    for metric, title, unit, scale in SCALING_PLOTS:
+        if has(metric):
+            images[title] = scaling_plot(groups, labels, metric, title, unit, scale, out / f"{metric}.png")
+    if reference_groups(groups):
+        for metric, name in SPEEDUP_METRICS:
+            if has(metric, "non-full"):
+                images[f"Speed-up, {name}"] = ratio_plot(groups, labels, metric, True, f"Speed-up ({name})",
+                                                         out / f"speedup_{metric}.png")
+        if has("peak_mem_bytes", "non-full"):
+            images["Memory ratio"] = ratio_plot(groups, labels, "peak_mem_bytes", False, "Peak memory ratio",
+                                                out / "mem_ratio.png")
+    for metric, title, logy in FIDELITY_PLOTS:
+        if has(metric):
+            images[title] = value_plot(groups, labels, metric, title, logy, out / f"{metric}.png")
+
+    tables = {  # key (wandb name) -> (title, header, rows)
+        "environment": ("Environment", *environment_table(rows)),
+        "series": ("Series (exp.: fitted log-log exponent, y ∝ N^exp over ok points)", *series_table(groups, labels)),
+        "crossover": ("Crossover: first N from which the variant stays faster than full",
+                      *crossover_table(groups, labels)),
+        "max_fit": ("Largest N that fits in memory", *fitting_table(groups, labels)),
+        "not_ok": ("Points not ok", *failures_table(groups, labels)),
+    }
+    write_html(out / "report.html", sweep, rows, tables, images)
+    return rows, tables, images
+
+
+def _print_table(title: str, head: list[str], body: list[list[Any]]) -> None:
+    cells = [[_fmt(c) for c in row] for row in [head, *body]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    print(f"\n{title}")
+    for row in cells:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep_dir", type=Path, help="a run or sweep directory (results.jsonl found recursively)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: SWEEP_DIR/report)")
+    p.add_argument("--wandb", action="store_true", help="also log the plots and tables to wandb")
+    args = p.parse_args(argv)
+    if not args.sweep_dir.is_dir():
+        print(f"report: error: {args.sweep_dir}: not a directory", file=sys.stderr)
+        return 2
+    out = args.out or args.sweep_dir / "report"
+    try:
+        rows, tables, images = make_report(args.sweep_dir, out)
+    except (InputError, OSError) as err:  # OSError: e.g. --out is a file or not writable
+        print(f"report: error: {err}", file=sys.stderr)
+        return 2
+    for key in ("crossover", "max_fit"):
+        _print_table(*tables[key])
+    print(f"\n{len(rows)} points, {len(images)} plots -> {out / 'report.html'}")
+    if args.wandb:
+        log_wandb(out, args.sweep_dir, images, rows, tables)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""CPU benchmark: every variant at N = 1024 … 16384 through harness.run.run, one output dir per variant.
+
+    python scripts/bench_cpu.py [--out results/cpu] [--seq-lens 1024 2048 4096 8192 16384]
+                                [--min-run-time 0.3] [--memory-budget-gb GB] [--only full_math linear]
+
+Workload: B=1, H=4, D=64, float32, non-causal, each variant at its defaults (full both on the math path
+and on SDPA). Writes <out>/<name>/results.{jsonl,csv}, env.json, fit.json per variant, and the
+combined <out>/results.csv, <out>/fit.json and <out>/SUMMARY.md (tables, fitted exponents, targets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from harness.env import OtherLoad, mem_available_bytes  # noqa: E402
+from harness.results import Result, fit_exponents, read_jsonl, write_csv, write_json  # noqa: E402
+
+CONFIGS = {  # name -> overrides of conf/config.yaml
+    "full_math": ["variant=full", "variant.backend=math"],
+    "full_sdpa": ["variant=full", "variant.backend=sdpa"],
+    "blockwise": ["variant=blockwise", "variant.mode=exact", "variant.block_size=128"],
+    "sliding_window": ["variant=sliding_window", "variant.window=256"],
+    "sparse": ["variant=sparse", "variant.pattern=fixed"],
+    "linear": ["variant=linear", "variant.proj_dim=256"],
+}
+WORKLOAD = ["batch_size=1", "num_heads=4", "head_dim=64", "dtype=float32", "device=cpu", "causal=false"]
+SEQ_LENS = [1024, 2048, 4096, 8192, 16384]
+MiB = 2**20
+# glibc serves every allocation above its mmap threshold (dynamic, at most 32 MiB) with fresh pages that
+# are page-faulted and zeroed on every call and returned on free; how often that happens depends on the
+# process's allocation history. Variants whose temporaries cross 32 MiB between two N then show a step
+# in time that is not in the algorithm (sliding_window: 2.3x at N=4096). A threshold above any tensor
+# here and no trimming keep freed memory for reuse, as a caching allocator would.
+# The threshold stays at 1 GiB and the trim threshold at 1 GiB: a higher one kept so much freed memory
+# that full math at N=16384 (three 4 GiB matrices) was killed for lack of memory.
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu")
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=SEQ_LENS)
+    ap.add_argument("--min-run-time", type=float, default=0.3, help="seconds of timed calls per pass")
+    ap.add_argument("--memory-budget-gb", type=float, default=None,
+                    help="skip points above this analytic memory (default: 0.8 x MemAvailable: full math at "
+                         "N=16384 needs three 4 GiB N×N matrices)")
+    ap.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--max-other-cores", type=float, default=0.25,
+                    help="re-measure a point during which other processes kept more cores than this busy")
+    ap.add_argument("--retries", type=int, default=2)
+    ap.add_argument("--retry-max-s", type=float, default=60.0,
+                    help="re-measure a disturbed point only when that takes at most this long (estimated)")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse a variant's earlier results in --out when they cover every N")
+    ap.add_argument("--wait-s", type=float, default=60.0, help="longest wait for a quiet machine before a run")
+    ap.add_argument("--glibc-default", action="store_true",
+                    help=f"keep glibc's default allocator settings (otherwise re-run with {ALLOCATOR_ENV})")
+    args = ap.parse_args()
+    if not args.glibc_default and any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
+
+    budget = args.memory_budget_gb
+    if budget is None:
+        budget = 0.8 * (mem_available_bytes() or 16e9) / 1e9
+    common = [*WORKLOAD, f"seq_lens=[{','.join(map(str, args.seq_lens))}]",
+              f"measure.min_run_time={args.min_run_time}", f"memory_budget_gb={budget:.2f}"]
+    rows, fits, env, reruns = {}, {}, None, []
+    started = time.perf_counter()
+    for name in args.only:
+        vdir = args.out / name
+        if not (args.resume and set(args.seq_lens) <= set(candidates(vdir))):
+            wait_for_quiet(args.max_other_cores, args.wait_s)
+            run_harness([*CONFIGS[name], *common], vdir)
+        found = candidates(vdir)
+        # This machine is shared: a point measured while others' work kept cores busy is measured again
+        # (after waiting for quiet, where it comes) unless that would take too long, and the least
+        # disturbed measurement is kept.
+        for n in args.seq_lens:
+            while n in found:
+                r, tries = best(found[n]), len(found[n]) - 1
+                cost_s = 6.5 * (r.fwd_bwd_ms or 0) / 1e3  # warm-up, memory, three passes: ~6.5 fwd+bwd calls
+                if (r.status != "ok" or (r.other_cpu_cores or 0) <= args.max_other_cores
+                        or tries >= args.retries or cost_s > args.retry_max_s):
+                    break
+                wait_for_quiet(args.max_other_cores, args.wait_s)
+                rdir = vdir / f"rerun-N{n}-{tries + 1}"
+                run_harness([*CONFIGS[name], *common, f"seq_lens=[{n}]"], rdir)
+                again = candidates(rdir)[n][0]
+                reruns.append((name, n, r.other_cpu_cores, again.other_cpu_cores))
+                found[n].append(again)
+        rows[name] = [best(found[n]) for n in args.seq_lens if n in found]
+        env = env or json.loads((vdir / "env.json").read_text())
+        fits[name] = {"all": fit_exponents(rows[name]), "2k_16k": fit_exponents(rows[name], 2048, 16384),
+                      "seq_lens": args.seq_lens}
+    elapsed = time.perf_counter() - started
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "results.csv", [r for name in args.only for r in rows[name]])
+    write_json(args.out / "fit.json", fits)
+    summary = summarize(rows, fits, env, args, budget, reruns, elapsed)
+    (args.out / "SUMMARY.md").write_text(summary)
+    print(summary)
+
+
+ALLOCATOR_NOTE = (
+    "Allocator: glibc with MALLOC_MMAP_THRESHOLD_=2^30 and MALLOC_TRIM_THRESHOLD_=2^30 (set by this script) "
+    "unless the line above says otherwise. With glibc's defaults every temporary over 32 MiB is mmapped, "
+    "page-faulted and zeroed on each call, depending on the process's allocation history: measured here, "
+    "sliding_window at N=4096 took 350 ms forward+backward with the defaults and 152 ms with these settings "
+    "(jemalloc without decay: 180 ms), and its forward became linear in N (17, 33, 62, 124 ms at 1K…8K). "
+    "`--glibc-default` keeps the defaults.")
+
+
+NOTES = """\
+- full_math's time exponent (2.5 over all N, theory 2) is the memory system, not the FLOPs: its N×N
+  temporaries are fresh memory on each call once they are large (checked separately with
+  getrusage: 0.75-1 GiB of page faults per forward+backward at N=4096, 4 GiB at N=8192, i.e. every
+  N×N matrix; achieved rate falls from 0.126 to 0.038 TFLOP/s between N=4096 and 8192), and a call
+  is 1-2 samples at large N, so single slow calls show (fwd 653 ms > fwd+bwd 475 ms at N=4096).
+  full_sdpa, with no N×N temporaries, keeps 0.12-0.14 TFLOP/s and fits 2.05.
+- sparse (fixed, L=4, c=1) is quadratic by design: every fourth key block is a summary block seen by
+  all queries, so the density is about 1/4 + 4/nb and the theory exponent is 1.8-1.9; the measured
+  2.3 over 2K→16K has the same page-fault cause as full_math at N >= 8192 (0.56 GiB of faults on
+  some calls, none on others).
+- Peak memory is exact where the variant allocates what it says: full_math holds three N×N
+  matrices at the peak (probabilities, their gradient, the scores' gradient: 3.00 N² measured);
+  the analytic figures of sdpa, sliding_window, sparse and linear are upper bounds (the 6·N·D term
+  counts more than is live at the peak).
+- The machine is shared with other sessions: see "Disturbance". Timings compare within this run.
+"""
+
+
+def run_harness(overrides: list[str], output_dir: Path) -> None:
+    """One sweep through the command line (python -m harness, i.e. run(cfg)), each in a fresh process:
+    no variant inherits another's heap (the allocator's history changes CPU timings, see above)."""
+    cmd = [sys.executable, "-m", "harness", *overrides, f"hydra.run.dir={output_dir}", "hydra.output_subdir=null",
+           "hydra/job_logging=disabled"]
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def wait_for_quiet(max_other_cores: float, timeout_s: float = 120.0) -> None:
+    """Waits (up to timeout_s) until other processes use at most max_other_cores over one second."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        load = OtherLoad()
+        load.start()
+        time.sleep(1.0)
+        if (load.stop() or 0.0) <= max_other_cores:
+            return
+
+
+def candidates(vdir: Path) -> dict[int, list[Result]]:
+    """Every measurement of each N in a variant's directory: the sweep's and its re-measurements'."""
+    found: dict[int, list[Result]] = {}
+    for path in [vdir / "results.jsonl", *sorted(vdir.glob("rerun-*/results.jsonl"))]:
+        if path.exists():
+            for rec in read_jsonl(path):
+                found.setdefault(rec["seq_len"], []).append(Result.from_record(rec))
+    return found
+
+
+def best(rs: list[Result]) -> Result:
+    ok = [r for r in rs if r.status == "ok"]
+    return min(ok, key=lambda r: r.other_cpu_cores or 0.0) if ok else rs[0]
+
+
+def by_n(rs):
+    return {r.seq_len: r for r in rs}
+
+
+def cell_ms(r) -> str:
+    if r is None:
+        return "-"
+    if r.status != "ok":
+        return r.status
+    iqr = "" if r.fwd_bwd_iqr_ms is None else f" ±{r.fwd_bwd_iqr_ms:.2g}"
+    return f"{r.fwd_bwd_ms:.4g}{iqr}"
+
+
+def cell_mib(r) -> str:
+    if r is None:
+        return "-"
+    if r.status != "ok" or r.peak_mem_bytes is None:
+        return r.status
+    return f"{r.peak_mem_bytes / MiB:.1f}"
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
+
+
+def summarize(rows, fits, env, args, budget, reruns, elapsed) -> str:
+    ns = args.seq_lens
+    head = "| variant | " + " | ".join(f"N={n}" for n in ns) + " |\n|---|" + "---:|" * len(ns) + "\n"
+    out = ["# CPU benchmark: time and peak memory against sequence length", "",
+           f"Workload: B=1, H=4, D=64, float32, non-causal, forward+backward. Machine: {env['device_name']}, "
+           f"{env['num_threads']} threads, torch {env['torch_version']}, allocator {env['allocator']}, "
+           f"{env['hostname']}, {env['date']} "
+           f"(load average {fmt(env.get('load_avg_1m'))} at the start of the first variant). "
+           f"Timer: torch.utils.benchmark blocked_autorange, min run time {args.min_run_time} s per pass, "
+           f"1 warm-up call; memory: profiler allocation replay (extra over the inputs); "
+           f"memory budget {budget:.1f} GB. Produced by `python scripts/bench_cpu.py`; rows in results.csv, "
+           f"fits in fit.json.", "", ALLOCATOR_NOTE, "",
+           "## Forward+backward time, ms (median ± IQR)", "", head.rstrip("\n")]
+    for name, rs in rows.items():
+        b = by_n(rs)
+        out.append(f"| {name} | " + " | ".join(cell_ms(b.get(n)) for n in ns) + " |")
+    out += ["", "## Peak memory of forward+backward, MiB (extra over the inputs)", "", head.rstrip("\n")]
+    for name, rs in rows.items():
+        b = by_n(rs)
+        out.append(f"| {name} | " + " | ".join(cell_mib(b.get(n)) for n in ns) + " |")
+    out += ["", "## Fitted log-log exponents (least squares over ok points) beside theory",
+            "", "Theory: the slope of the variant's analytic forward FLOPs (time) and analytic memory "
+            "(memory) between the same N.", "",
+            "| variant | time, all N | theory | time, 2K→16K | theory | memory, all N | theory |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in rows:
+        a, k = fits[name]["all"], fits[name]["2k_16k"]
+        g = lambda f, key, part: fmt(f.get(key, {}).get(part))  # noqa: E731
+        out.append(f"| {name} | {g(a, 'fwd_bwd_ms', 'fitted')} | {g(a, 'fwd_bwd_ms', 'theory')} | "
+                   f"{g(k, 'fwd_bwd_ms', 'fitted')} | {g(k, 'fwd_bwd_ms', 'theory')} | "
+                   f"{g(a, 'memory', 'fitted')} | {g(a, 'memory', 'theory')} |")
+    out += ["", "## Targets", ""] + targets(rows, fits)
+    out += ["", "## Disturbance", "",
+            "Cores kept busy by other processes (or stolen by the hypervisor) while each point ran; a point "
+            f"above {args.max_other_cores} was measured again (up to {args.retries} times) and the least "
+            "disturbed measurement kept.", "", head.rstrip("\n")]
+    for name, rs in rows.items():
+        b = by_n(rs)
+        out.append(f"| {name} | " + " | ".join(fmt(b[n].other_cpu_cores) if n in b else "-" for n in ns) + " |")
+    if reruns:
+        out += ["", "Re-measured: " + "; ".join(f"{name} N={n} ({fmt(before)} → {fmt(after)} cores)"
+                                               for name, n, before, after in reruns) + "."]
+    first = min(json.loads((args.out / name / "env.json").read_text())["date"] for name in rows)
+    last = max(r.date for rs in rows.values() for r in rs)
+    span = datetime.datetime.fromisoformat(last) - datetime.datetime.fromisoformat(first)
+    out += ["", f"Measured from {first} to {last} ({span.total_seconds() / 60:.1f} min on this machine, "
+            f"re-measurements included); this invocation of the script took {elapsed / 60:.1f} min"
+            + (" (earlier results reused with --resume)." if args.resume else ".")]
+    out += ["", "## Notes", "", NOTES]
+    problems = [r for rs in rows.values() for r in rs if r.status != "ok"]
+    if problems:
+        out += ["", "## Points not measured", ""]
+        out += [f"- {r.variant} ({r.backend}) N={r.seq_len}: {r.status}: {r.reason}" for r in problems]
+    return "\n".join(out) + "\n"
+
+
+def targets(rows, fits) -> list[str]:
+    lines = []
+
+    def verdict(ok: bool | None) -> str:
+        return "not measured" if ok is None else ("**met**" if ok else "**missed**")
+
+    bw, fm = by_n(rows.get("blockwise", [])).get(8192), by_n(rows.get("full_math", [])).get(8192)
+    if bw and fm and bw.peak_mem_bytes and fm.peak_mem_bytes:
+        ratio = bw.peak_mem_bytes / fm.peak_mem_bytes
+        lines.append(f"- blockwise exact peak memory at N=8192 <= 1/10 of full math: {verdict(ratio <= 0.1)} "
+                     f"({bw.peak_mem_bytes / MiB:.1f} MiB vs {fm.peak_mem_bytes / MiB:.1f} MiB, ratio {ratio:.4f} "
+                     f"= 1/{1 / ratio:.0f})")
+    else:
+        lines.append(f"- blockwise exact peak memory at N=8192 <= 1/10 of full math: {verdict(None)}")
+    for name in ("sliding_window", "linear"):
+        f = fits.get(name, {}).get("2k_16k", {}).get("fwd_bwd_ms")
+        if f is None:
+            lines.append(f"- {name} time exponent <= 1.2 over 2K→16K: {verdict(None)}")
+        else:
+            lines.append(f"- {name} time exponent <= 1.2 over 2K→16K: {verdict(f['fitted'] <= 1.2)} "
+                         f"(fitted {f['fitted']:.2f}, theory {f['theory']:.2f}, over N={f['seq_lens']})")
+    f = fits.get("full_math", {}).get("all", {}).get("memory")
+    if f is None:
+        lines.append(f"- full math memory exponent ≈ 2: {verdict(None)}")
+    else:
+        lines.append(f"- full math memory exponent ≈ 2 (within 0.1): {verdict(abs(f['fitted'] - 2) <= 0.1)} "
+                     f"(fitted {f['fitted']:.3f}, theory {f['theory']:.3f}, over N={f['seq_lens']})")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

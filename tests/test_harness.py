@@ -1,0 +1,263 @@
+"""The measurement harness: every variant through run(), the command line, peak memory, failures as results."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from harness import run as runmod
+from harness.memory import cpu_peak_bytes
+from harness.results import FIELDS, fit_exponents, read_jsonl
+from harness.config import ConfigError
+from harness.run import run, validate
+from variants import VariantError
+
+from .conftest import CONF, ROOT, VARIANT_YAMLS
+
+MiB = 2**20
+# Tiny sizes and short measurement: the whole file stays far below a minute on two cores.
+TINY = ["batch_size=1", "num_heads=2", "head_dim=16", "seq_len=96", "measure.min_run_time=0.01",
+        "measure.warmup_iters=1"]
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def rows_of(path):
+    return read_jsonl(path / "results.jsonl") if (path / "results.jsonl").exists() else []
+
+
+@pytest.mark.parametrize("yaml", VARIANT_YAMLS, ids=lambda p: p.stem)
+def test_every_variant_config_runs_and_records_every_field(yaml, tmp_path):
+    cfg = compose_cfg(f"variant={yaml.stem}", *TINY)
+    sweep = run(cfg, output_dir=tmp_path)
+    rows = rows_of(tmp_path)
+    assert len(rows) == 1 and rows == [r.record() for r in sweep.rows]
+    row = rows[0]
+    assert row["status"] == "ok", row["reason"]
+    assert set(FIELDS) <= set(row)
+    options = {k for k in row if k.startswith("opt_")}
+    assert options == {f"opt_{k}" for k, _ in sweep.rows[0].options}
+    assert (row["variant"], row["seq_len"], row["head_dim"], row["device"]) == (yaml.stem, 96, 16, "cpu")
+    for name in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "peak_mem_bytes", "analytic_mem_bytes", "flops_fwd",
+                 "flops_fwd_useful", "tflops_fwd", "tflops_fwd_bwd", "density", "warmup_s"):
+        assert row[name] > 0, name
+    assert row["peak_mem_abs_bytes"] is None and row["reason"] is None
+    assert row["torch_version"] == torch.__version__ and row["num_threads"] == torch.get_num_threads()
+    with open(tmp_path / "results.csv") as f:
+        header = next(csv.reader(f))
+    assert header[:len(FIELDS)] == list(FIELDS) and set(header) == set(row)
+    assert (tmp_path / "env.json").exists() and not (tmp_path / "fit.json").exists()  # one length: no fit
+
+
+# ----- the command line ------------------------------------------------------------------------------
+
+def harness_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "harness", *args]
+
+
+def test_command_line_runs_and_writes_results(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(harness_cmd("variant=blockwise", "seq_len=256", "head_dim=16", "num_heads=2",
+                                      "measure.min_run_time=0.01", f"hydra.run.dir={out}"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    rows = rows_of(out)
+    assert [(r["variant"], r["seq_len"], r["status"]) for r in rows] == [("blockwise", 256, "ok")]
+    assert (out / "results.csv").exists()
+
+
+# The issue's list of bad input, each through the real command line.
+BAD_INPUTS = [
+    (["variant=foo"], ["'foo'", "allowed", "blockwise", "sliding_window"]),
+    (["seq_len=0"], ["seq_len", "> 0"]),
+    (["seq_len=abc"], ["seq_len", "integer"]),
+    (["dtype=float64"], ["dtype", "float32", "float16", "bfloat16"]),
+    (["variant=linear", "causal=true"], ["linear", "causal"]),
+    (["variant=sliding_window", "+variant.windw=3"], ["windw", "allowed", "window"]),
+    (["variant=sliding_window", "variant.windw=3"], ["windw", "allowed", "window"]),
+    (["seq_lenz=128"], ["seq_lenz", "allowed", "seq_len"]),
+]
+if not torch.cuda.is_available():
+    BAD_INPUTS.append((["device=cuda"], ["cuda", "not available", "cpu"]))
+
+
+def test_bad_input_is_one_line_no_traceback_no_results(tmp_path):
+    # All at once: each process spends most of its time importing torch.
+    procs = []
+    for i, (args, _) in enumerate(BAD_INPUTS):
+        out = tmp_path / f"bad{i}"
+        procs.append((out, subprocess.Popen(harness_cmd(*args, "measure.min_run_time=0.01", f"hydra.run.dir={out}"),
+                                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            text=True)))
+    for (args, words), (out, proc) in zip(BAD_INPUTS, procs):
+        output, _ = proc.communicate(timeout=120)
+        lines = [line for line in output.splitlines() if line.strip()]
+        assert proc.returncode != 0, (args, output)
+        assert len(lines) == 1, (args, output)
+        assert "Traceback" not in output
+        for word in words:
+            assert word in lines[0], (args, word, lines[0])
+        assert rows_of(out) == [], args
+
+
+def test_bad_input_in_process_raises_before_writing(tmp_path):
+    cases = [
+        (["seq_len=-4"], ConfigError),
+        (["seq_len=1.5"], ConfigError),
+        (["seq_len=true"], ConfigError),
+        (["seq_lens=[256,0]"], ConfigError),
+        (["seq_lens=[]"], ConfigError),
+        (["dtype=float8"], ConfigError),
+        (["device=tpu"], ConfigError),
+        (["causal=maybe"], ConfigError),
+        (["variant=linear", "causal=true"], VariantError),
+        (["variant=sliding_window", "+variant.windw=3"], VariantError),
+        (["variant=sparse", "variant.pattern=dense"], VariantError),
+        (["variant=full", "variant.backend=flash"], VariantError),
+        (["measure.passes=[fwd,back]"], ConfigError),
+        (["measure.timer=wall"], ConfigError),
+        (["measure.min_run_time=0"], ConfigError),
+        (["+measure.repeat=3"], ConfigError),
+        (["+seq_lenz=3"], ConfigError),
+        (["memory_budget_gb=-1"], ConfigError),
+    ]
+    for overrides, error in cases:
+        with pytest.raises(error) as e:
+            run(compose_cfg(*overrides), output_dir=tmp_path)
+        assert "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----- peak memory -------------------------------------------------------------------------------------
+
+def test_cpu_peak_of_one_scores_matrix_is_256_mib():
+    # One (1, 4, 4096, 4096) float32 scores matrix is 4·4096²·4 bytes = 256 MiB. D = 8 keeps the matmul
+    # cheap; the output's size does not depend on D.
+    q, k = torch.randn(1, 4, 4096, 8), torch.randn(1, 4, 4096, 8)
+    peak = cpu_peak_bytes(lambda: q @ k.transpose(-2, -1))
+    assert abs(peak / (256 * MiB) - 1) < 0.05, peak / MiB
+
+
+def test_full_math_memory_reproduces_the_n_squared_term(tmp_path):
+    """The math path's forward+backward peak holds three N×N matrices: in the backward, when softmax's
+    gradient dS = P ∘ (dP − rowsum(dP ∘ P)) is formed, the probabilities P (saved for softmax and for P·V),
+    dP = dO·Vᵀ and dS are alive; the scores S = q·kᵀ·scale were freed after the forward's softmax (its
+    backward needs only P) and q·kᵀ right after scaling. Beside them only N×D tensors (the output and dV).
+    Measured: 3.00 N² matrices + 2 N·D. So the peak's growth between two lengths is 3·B·H·(N₂² − N₁²)·4
+    bytes plus a small N·D part, which head_dim=8 keeps below 1%."""
+    B, H, D = 1, 4, 8
+    n1, n2 = 256, 512
+    cfg = compose_cfg("variant=full", "variant.backend=math", f"seq_lens=[{n1},{n2}]", f"batch_size={B}",
+                      f"num_heads={H}", f"head_dim={D}", "measure.passes=[fwd]", "measure.min_run_time=0.01")
+    run(cfg, output_dir=tmp_path)
+    rows = {r["seq_len"]: r for r in rows_of(tmp_path)}
+    assert all(r["status"] == "ok" for r in rows.values())
+    matrix = lambda n: B * H * n * n * 4  # noqa: E731  one N×N float32 matrix per (batch, head)
+    measured = rows[n2]["peak_mem_bytes"] - rows[n1]["peak_mem_bytes"]
+    assert abs(measured / (3 * (matrix(n2) - matrix(n1))) - 1) < 0.15
+    for n in (n1, n2):  # and the count itself at each length: three matrices
+        assert abs(rows[n]["peak_mem_bytes"] / matrix(n) - 3) < 0.15
+    # The variant's analytic figure has the same N² term.
+    analytic = rows[n2]["analytic_mem_bytes"] - rows[n1]["analytic_mem_bytes"]
+    assert abs(measured / analytic - 1) < 0.15
+    fit = json.loads((tmp_path / "fit.json").read_text())["fits"]["memory"]
+    assert abs(fit["fitted"] - fit["theory"]) < 0.1 and fit["seq_lens"] == [n1, n2]
+
+
+# ----- failures are results ------------------------------------------------------------------------
+
+def test_point_over_memory_budget_is_skipped_and_the_next_runs(tmp_path):
+    # full math at N=1024 needs about 3·2·1024²·4 bytes = 25 MB; N=64 about 0.1 MB. Budget: 1 MB.
+    cfg = compose_cfg("variant=full", "variant.backend=math", "seq_lens=[1024,64]", "num_heads=2", "head_dim=16",
+                      "memory_budget_gb=0.001", "measure.min_run_time=0.01")
+    sweep = run(cfg, output_dir=tmp_path)
+    rows = rows_of(tmp_path)
+    assert [(r["seq_len"], r["status"]) for r in rows] == [(1024, "skipped"), (64, "ok")]
+    assert "memory_budget_gb" in rows[0]["reason"] and rows[0]["fwd_ms"] is None
+    assert rows[0]["analytic_mem_bytes"] > 1e6 and rows[1]["fwd_bwd_ms"] > 0
+    assert sweep.fits == {}  # one ok point: nothing to fit
+
+
+def test_error_at_one_point_is_recorded_and_others_run(tmp_path):
+    cfg = compose_cfg("variant=linear", "variant.max_seq_len=100", "variant.proj_dim=16", "seq_lens=[128,64]",
+                      "num_heads=2", "head_dim=16", "measure.min_run_time=0.01")
+    run(cfg, output_dir=tmp_path)
+    rows = rows_of(tmp_path)
+    assert [(r["seq_len"], r["status"]) for r in rows] == [(128, "error"), (64, "ok")]
+    assert "128" in rows[0]["reason"] and "100" in rows[0]["reason"]
+
+
+def test_out_of_memory_is_recorded_as_oom(tmp_path, monkeypatch):
+    real = runmod.measure_point
+
+    def oom_at_128(attn, **kw):
+        if kw["seq_len"] == 128:
+            kw["record"]["warmup_s"] = 0.5  # measured before the failure: kept
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(attn, **kw)
+
+    monkeypatch.setattr(runmod, "measure_point", oom_at_128)
+    cfg = compose_cfg("variant=full", "seq_lens=[128,64]", "num_heads=2", "head_dim=16", "measure.min_run_time=0.01")
+    run(cfg, output_dir=tmp_path)
+    rows = rows_of(tmp_path)
+    assert [(r["seq_len"], r["status"]) for r in rows] == [(128, "oom"), (64, "ok")]
+    assert "out of memory" in rows[0]["reason"] and rows[0]["warmup_s"] == 0.5
+
+
+# ----- configuration and fits ----------------------------------------------------------------------
+
+def test_config_yaml_documents_every_key_run_accepts():
+    from omegaconf import OmegaConf
+
+    from harness.config import MEASURE_KEYS, TOP_KEYS
+
+    config = OmegaConf.load(CONF / "config.yaml")
+    assert ["variant", *(k for k in config if k not in ("defaults", "hydra"))] == list(TOP_KEYS)
+    assert list(config.measure) == list(MEASURE_KEYS)
+
+
+def test_linear_share_none_gets_num_heads_from_the_workload():
+    settings, attn, _ = validate(compose_cfg("variant=linear", "variant.share=none", "num_heads=3"))
+    assert settings.variant["num_heads"] == 3 and attn.options.num_heads == 3
+
+
+def test_seq_lens_replace_seq_len_and_passes_are_validated():
+    settings, _, _ = validate(compose_cfg("seq_len=64", "seq_lens=[256,128,256]", "measure.passes=[fwd_bwd,fwd]"))
+    assert settings.seq_lens == (256, 128) and settings.measure.passes == ("fwd", "fwd_bwd")
+
+
+def test_fit_exponents_against_theory():
+    rows = [{"status": "ok", "seq_len": n, "fwd_ms": 1e-6 * n**2, "bwd_ms": None, "fwd_bwd_ms": 3e-6 * n**2,
+             "flops_fwd": n**2, "peak_mem_bytes": 10 * n, "analytic_mem_bytes": 12 * n + 0} for n in (256, 512, 1024)]
+    rows.append({**rows[0], "seq_len": 2048, "status": "skipped", "fwd_ms": None})
+    fits = fit_exponents(rows)
+    assert fits["fwd_ms"]["fitted"] == pytest.approx(2) and fits["fwd_ms"]["theory"] == pytest.approx(2)
+    assert fits["memory"]["fitted"] == pytest.approx(1) and fits["memory"]["seq_lens"] == [256, 512, 1024]
+    assert "bwd_ms" not in fits
+
+
+@pytest.mark.gpu
+def test_gpu_point_records_allocator_peaks(tmp_path):
+    cfg = compose_cfg("variant=full", "device=cuda", "seq_lens=[256,512]", "measure.min_run_time=0.01")
+    run(cfg, output_dir=tmp_path)
+    for r in rows_of(tmp_path):
+        assert r["status"] == "ok" and r["device"] == "cuda"
+        assert r["peak_mem_abs_bytes"] >= r["peak_mem_bytes"] > 0 and r["peak_mem_reserved_bytes"] > 0
+
+
+def test_only_the_chosen_passes_and_memory_are_measured(tmp_path):
+    run(compose_cfg("seq_len=32", "num_heads=1", "head_dim=8", "measure.passes=[fwd]", "measure.memory=false",
+                    "measure.min_run_time=0.01"), output_dir=tmp_path)
+    (row,) = rows_of(tmp_path)
+    assert row["status"] == "ok" and row["fwd_ms"] > 0
+    assert row["bwd_ms"] is row["fwd_bwd_ms"] is row["peak_mem_bytes"] is row["tflops_bwd"] is None

@@ -1,0 +1,253 @@
+"""The reporting tools: harness.report (sweep -> CSV, PNGs, report.html), harness.compare (A vs B),
+harness.collect (loading). Synthetic result rows with known shapes stand in for a real sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import collect, report
+from harness.collect import load_rows, point_key, series_key, series_labels
+
+ROOT = Path(__file__).resolve().parents[1]
+NS = [256, 512, 1024, 2048, 4096, 8192]
+
+
+def row(variant, backend, n, status="ok", fwd=None, mem=None, device="cpu", **extra):
+    """One results row as the harness writes it; times from ``fwd`` (bwd = 2 fwd), null when not ok."""
+    ok = status == "ok" and fwd is not None
+    r = dict(variant=variant, backend=backend, seq_len=n, batch_size=1, num_heads=2, head_dim=32,
+             dtype="float32", device=device, causal=False, status=status,
+             reason=None if status == "ok" else f"{status} at N={n}",
+             fwd_ms=fwd if ok else None, bwd_ms=2 * fwd if ok else None, fwd_bwd_ms=3 * fwd if ok else None,
+             fwd_iqr_ms=0.01 if ok else None, bwd_iqr_ms=None, fwd_bwd_iqr_ms=None,
+             peak_mem_bytes=mem if ok else None, peak_mem_abs_bytes=None, flops_fwd=4 * n * n * 32,
+             flops_fwd_useful=4 * n * n * 32, tflops_fwd=0.5, density=1.0, analytic_mem_bytes=mem,
+             # what harness.results adds besides: measurement details and the environment
+             seed=0, fwd_samples=10, tflops_bwd=0.2, block_density=None, timer="blocked_autorange",
+             device_name="Synthetic CPU", torch_version="2.13.0+cpu", cuda_version=None, hostname="testhost",
+             date=f"2026-01-01T00:{n % 60:02d}:00+00:00")
+    r.update(extra)
+    return r
+
+
+def sweep_rows() -> list[list[dict]]:
+    """Jobs of a sweep. full/math ∝ N² exactly and OOMs from 8192; sliding windows ∝ N."""
+    full_math = [row("full", "math", n, fwd=1e-6 * n * n, mem=4 * n * n) if n <= 4096 else
+                 row("full", "math", n, "oom") for n in NS]
+    full_sdpa = [row("full", "sdpa", n, fwd=0.5e-6 * n * n, mem=64 * n) for n in NS]
+    windows = [[row("sliding_window", "blocksparse", n, fwd=w * 1e-5 * n, mem=w * n, opt_window=w, opt_dilation=1,
+                    out_rel_err=0.01 * n / w, mass_kept=0.9) for n in NS] for w in (64, 128)]
+    lin = [row("linear", "math", n, fwd=0.2 + 1e-4 * n, mem=100 * n, opt_proj_dim=64, task_accuracy=0.5)
+           if n <= 4096 else row("linear", "math", n, "skipped", opt_proj_dim=64) for n in NS]
+    # A later job re-measured one point: the report keeps this copy.
+    rerun = [row("full", "math", 256, fwd=0.07, mem=4 * 256 * 256)]
+    return [full_math, full_sdpa, *windows, lin, rerun]
+
+
+def write_sweep(root: Path, jobs: list[list[dict]]) -> Path:
+    for i, rows in enumerate(jobs):  # Hydra multirun layout: SWEEP/<job>/results.jsonl
+        (root / str(i)).mkdir(parents=True)
+        (root / str(i) / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "WANDB_MODE": "disabled"})
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    sweep = write_sweep(tmp_path_factory.mktemp("sweep"), sweep_rows())
+    assert report.main([str(sweep)]) == 0
+    return sweep, sweep / "report"
+
+
+# ----- report ----------------------------------------------------------------------------------------
+
+def test_report_writes_every_file(made):
+    _, out = made
+    pngs = ["fwd_ms", "bwd_ms", "fwd_bwd_ms", "peak_mem_bytes", "speedup_fwd_ms", "speedup_fwd_bwd_ms",
+            "mem_ratio", "out_rel_err", "mass_kept", "task_accuracy"]
+    for name in pngs:
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert not (out / "grad_rel_err.png").exists()  # no row has it: no empty plot
+    html = (out / "report.html").read_text()
+    assert html.count("src='data:image/png;base64,") == len(pngs)  # self-contained: every image inline
+    assert "src='http" not in html and "src='/" not in html
+
+
+def test_report_html_names_every_variant_and_series(made):
+    sweep, out = made
+    html = (out / "report.html").read_text()
+    rows = load_rows(sweep)
+    for variant in {r["variant"] for r in rows}:
+        assert variant in html
+    for label in series_labels(series_key(r) for r in rows).values():
+        assert label in html
+    env = html[html.index("<h2>Environment"):html.index("<h2>Series")]
+    assert "Synthetic CPU" in env and "testhost" in env and "torch_version" in env
+    assert "tflops_bwd" not in env and "seed" not in env  # measurement fields are not the environment
+    assert "sliding_window[window=64]/blocksparse" in html and "full/math" in html
+
+
+def test_report_csv_equals_input_rows(made):
+    _, out = made
+    expected = {}
+    for job in sweep_rows():  # the last copy of a point wins
+        for r in job:
+            expected[point_key(r)] = r
+    got = load_rows(out / "results.csv")
+    assert len(got) == len(expected)
+    for r in got:
+        want = expected[point_key(r)]
+        for k in set(want) | set(r):
+            assert r.get(k) == want.get(k), (point_key(r), k)
+    assert expected[point_key(row("full", "math", 256))]["fwd_ms"] == 0.07
+
+
+def test_fitted_exponent_recovers_known_slope(made):
+    ns = [256.0, 512.0, 1024.0, 4096.0]
+    assert report.fit_exponent(ns, [3e-6 * n ** 2 for n in ns]) == pytest.approx(2.0, abs=1e-12)
+    assert report.fit_exponent(ns, [5.0 * n ** 1.5 for n in ns]) == pytest.approx(1.5, abs=1e-12)
+    assert report.fit_exponent([1024.0], [1.0]) is None
+    # On the sweep: OOM rows of full/math are left out of the fit.
+    groups = collect.group_series(load_rows(made[0]))
+    by_label = {lab: groups[s] for s, lab in series_labels(groups).items()}
+    fm = [r for r in by_label["full/math"] if r["seq_len"] != 256]  # 256 was re-measured off the line
+    assert report.series_exponent(fm, "fwd_ms") == pytest.approx(2.0, abs=1e-9)
+    assert report.series_exponent(by_label["sliding_window[window=64]/blocksparse"], "peak_mem_bytes") \
+        == pytest.approx(1.0, abs=1e-9)
+
+
+def test_crossover_and_max_fitting_on_constructed_case():
+    def rows_of(times, status=None):
+        status = status or {}
+        return [row("x", "b", n, status.get(n, "ok"), fwd=t) for n, t in times.items()]
+
+    # Two full backends: the reference is the faster at each N; both fail at 4096.
+    math_ = rows_of({256: 1.0, 512: 4.0, 1024: 16.0, 2048: 64.0, 4096: None}, {4096: "oom"})
+    sdpa = rows_of({256: 0.5, 512: 5.0, 1024: 12.0, 2048: 50.0, 4096: None}, {4096: "oom"})
+    ref = report.reference([math_, sdpa], "fwd_ms")
+    assert ref == {256: 0.5, 512: 4.0, 1024: 12.0, 2048: 50.0, 4096: None}
+    # Faster at 512, slower at 1024, faster from 2048 on (full OOMs at 4096: still faster).
+    v = rows_of({256: 1.0, 512: 3.0, 1024: 13.0, 2048: 20.0, 4096: 40.0})
+    assert report.crossover(v, ref, "fwd_ms") == (2048, False)
+    assert report.crossover(rows_of({256: 0.1, 512: 1.0, 1024: 2.0}), ref, "fwd_ms") == (256, True)
+    # Slower at the largest common N, or out of memory there: no crossover in range.
+    assert report.crossover(rows_of({256: 0.1, 2048: 60.0}), ref, "fwd_ms") == (None, False)
+    assert report.crossover(rows_of({1024: 1.0, 2048: None}, {2048: "oom"}), ref, "fwd_ms") == (None, False)
+    # A skipped point says nothing about speed.
+    assert report.crossover(rows_of({1024: 1.0, 2048: None}, {2048: "skipped"}), ref, "fwd_ms") == (1024, True)
+
+    fit = rows_of({256: 1.0, 512: 1.0, 1024: 1.0, 2048: None, 4096: None}, {2048: "oom", 4096: "skipped"})
+    assert report.max_fitting(fit) == (1024, 2048, "oom")
+    assert report.max_fitting(rows_of({256: 1.0})) == (256, None, None)
+    assert report.max_fitting(rows_of({256: None}, {256: "skipped"})) == (None, 256, "skipped")
+
+
+def test_report_tables_on_the_sweep(made):
+    html = (made[1] / "report.html").read_text()
+    # full/math: ok up to 4096, first oom at 8192; linear: skipped from 8192.
+    assert "<tr><td>full/math</td><td>4096</td><td>8192</td><td>oom</td>" in html
+    assert "<tr><td>linear/math</td><td>4096</td><td>8192</td><td>skipped</td>" in html
+    # window=64 fwd 6.4e-4·N ms vs sdpa 5e-7·N² ms: faster from N > 1280, i.e. 2048.
+    assert "<tr><td>sliding_window[window=64]/blocksparse</td><td>2048</td>" in html
+
+
+def test_series_labels_show_only_distinguishing_fields():
+    rows = [row("full", "sdpa", 8), row("full", "sdpa", 8, causal=True),
+            row("sparse", "blocksparse", 8, opt_pattern="fixed", opt_block_size=64),
+            row("sparse", "blocksparse", 8, opt_pattern="bigbird", opt_block_size=64)]
+    labels = series_labels(series_key(r) for r in rows)
+    assert [labels[series_key(r)] for r in rows] == [
+        "full/sdpa non-causal", "full/sdpa causal",
+        "sparse[pattern=fixed]/blocksparse non-causal", "sparse[pattern=bigbird]/blocksparse non-causal"]
+
+
+@pytest.mark.slow  # wandb starts its service process: a few seconds
+def test_report_wandb_logs_plots_and_tables_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sweep = write_sweep(tmp_path / "mysweep", sweep_rows()[:1])
+    assert report.main([str(sweep), "--wandb"]) == 0
+    (run,) = (sweep / "report" / "wandb").glob("offline-run-*")
+    media = {p.name.split("_0_")[0] for p in (run / "files" / "media").rglob("*") if p.is_file()}
+    assert {"fwd_ms", "bwd_ms", "peak_mem_bytes", "results", "max_fit"} <= media
+    assert b"mysweep" in next(run.glob("*.wandb")).read_bytes()  # the group
+
+
+# ----- compare ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def ab(tmp_path):
+    base = [row("full", "sdpa", n, fwd=1e-6 * n * n, mem=64 * n) for n in NS[:4]]
+    base += [row("sliding_window", "blocksparse", n, fwd=1e-3 * n, mem=32 * n, opt_window=64) for n in NS[:4]]
+    a = write_sweep(tmp_path / "a", [base])
+
+    def candidate(name, changes, device="cuda"):
+        rows = [dict(r, device=device) for r in base]  # another device: still matched
+        for i, factor in changes.items():
+            rows[i]["fwd_bwd_ms"] *= factor
+        return write_sweep(tmp_path / name, [rows + [row("linear", "math", 256, fwd=1.0, mem=1)]])
+
+    return a, candidate("regressed", {1: 1.30, 5: 1.05}), candidate("within", {1: 1.05, 2: 0.8})
+
+
+def test_compare_flags_injected_regression(ab):
+    a, regressed, _ = ab
+    res = cli("harness.compare", a, regressed, "--fail-on-regression")
+    assert res.returncode == 1, res.stdout + res.stderr
+    flagged = [line for line in res.stdout.splitlines() if "REGRESSION" in line]
+    assert len(flagged) == 1 and "full/sdpa" in flagged[0] and " 512 " in flagged[0]
+    assert "cpu" in res.stdout and "cuda" in res.stdout  # the devices are printed
+    assert "only in B" in res.stdout and "linear/math N=256" in res.stdout
+    assert cli("harness.compare", a, regressed).returncode == 0  # reported, but no failure asked for
+
+
+def test_compare_passes_within_threshold_change(ab):
+    a, regressed, within = ab
+    res = cli("harness.compare", a, within, "--fail-on-regression")
+    assert res.returncode == 0 and "REGRESSION" not in res.stdout, res.stdout
+    assert "better" in res.stdout
+    # A looser threshold lets the 30% slowdown through; single files work as inputs too.
+    res = cli("harness.compare", a / "0" / "results.jsonl", regressed / "0" / "results.jsonl",
+              "--threshold", "0.5", "--fail-on-regression")
+    assert res.returncode == 0, res.stdout
+
+
+def test_compare_status_change_is_a_regression(tmp_path):
+    a = write_sweep(tmp_path / "a", [[row("full", "math", 4096, fwd=16.0, mem=10)]])
+    b = write_sweep(tmp_path / "b", [[row("full", "math", 4096, "oom")]])
+    res = cli("harness.compare", a, b, "--fail-on-regression")
+    assert res.returncode == 1 and "ok -> oom" in res.stdout
+
+
+# ----- bad input ---------------------------------------------------------------------------------------
+
+def _one_line_error(res: subprocess.CompletedProcess, *needles: str) -> None:
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_bad_inputs_exit_2_with_one_line(tmp_path):
+    _one_line_error(cli("harness.report", tmp_path / "missing"), "missing")
+    (tmp_path / "empty" / "0").mkdir(parents=True)
+    _one_line_error(cli("harness.report", tmp_path / "empty"), "no results")
+    bad = tmp_path / "bad" / "0"
+    bad.mkdir(parents=True)
+    (bad / "results.jsonl").write_text('{"variant": "full", "seq_len": 256}\n{not json\n')
+    _one_line_error(cli("harness.report", tmp_path / "bad"), "results.jsonl:2")
+    good = write_sweep(tmp_path / "good", [[row("full", "sdpa", 256, fwd=1.0, mem=1)]])
+    _one_line_error(cli("harness.compare", tmp_path / "missing", good), "missing")
+    _one_line_error(cli("harness.compare", good, tmp_path / "empty"), "no results")
+    _one_line_error(cli("harness.compare", good, good, "--metric", "nonsense_ms"), "nonsense_ms")
