@@ -60,17 +60,20 @@ def precheck(argv: list[str]) -> str | None:
     except Exception as e:
         return one_line(f"cannot parse the overrides: {e}")
     # What needs only the YAML files comes first: no torch import (2 s) to refuse a misspelt name.
-    names = sorted(p.stem for p in (CONF_DIR / "variant").glob("*.yaml"))
+    groups = {d.name: sorted(p.stem for p in d.glob("*.yaml"))
+              for d in sorted(CONF_DIR.iterdir()) if d.is_dir() and d.name != "hydra"}
     config = OmegaConf.load(CONF_DIR / "config.yaml")
-    top_keys = ["variant", *(k for k in config if k not in ("defaults", "hydra"))]
+    top_keys = [*groups, *(k for k in config if k not in ("defaults", "hydra"))]
     chosen = next(d["variant"] for d in config.defaults if isinstance(d, Mapping) and "variant" in d)
     for o in parsed:
-        if o.key_or_group == "variant" and o.package is None:
+        if o.key_or_group in groups and o.package is None and not o.is_delete():
+            group = o.key_or_group
             values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
             for v in values:
-                if v not in names:
-                    return f"unknown variant {v!r}; allowed: {', '.join(names)}"
-            chosen = values[0] if len(values) == 1 else chosen
+                if v not in groups[group]:
+                    return f"unknown {group} {v!r}; allowed: {', '.join(groups[group])}"
+            if group == "variant":
+                chosen = values[0] if len(values) == 1 else chosen
     # A key that is not in the config, given without "+": Hydra refuses it in several lines and a hint.
     # Say which keys are allowed instead; for a variant option, in the variant's own words.
     variant_yaml = OmegaConf.load(CONF_DIR / "variant" / f"{chosen}.yaml")
@@ -125,7 +128,20 @@ def hydra_main(cfg: DictConfig) -> None:
     try:
         run(cfg)  # into Hydra's output directory (HydraConfig.get().runtime.output_dir)
     except (ConfigError, VariantError) as e:
-        fail(one_line(e))
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode != RunMode.MULTIRUN:
+            fail(one_line(e))
+        # One job of a sweep that cannot run (linear in a causal sweep): said in one line and in the
+        # job's status.json; the other jobs go on.
+        from harness.results import write_json
+
+        out = Path(hc.runtime.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "status.json", {"state": "refused", "error": one_line(e)})
+        print(f"error: job {hc.job.num} ({hc.job.override_dirname}): {one_line(e)}", file=sys.stderr)
 
 
 def main() -> None:

@@ -27,6 +27,16 @@ class MeasureOptions:
     param_grads: bool = False  # also compute gradients of the variant's own parameters (linear's E, F)
 
 
+@dataclass(frozen=True)
+class FidelityOptions:
+    enabled: bool = True  # errors against exact attention at every ok point (harness/fidelity.py)
+    batch_size: int = 1  # q, k, v of (batch_size, num_heads, N, head_dim)
+    max_seq_len: int | None = 4096  # longer points record none (the float64 reference is the cost)
+    block_size: int = 256  # key block of the float64 online-softmax reference
+
+
+INPUT_KINDS = ("gaussian", "local", "peaked")  # harness.fidelity.INPUT_KINDS (no torch import here)
+TASKS = ("none", "mqar")
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_BUDGET_SHARE = 0.5  # of MemAvailable: the CPU memory budget when memory_budget_gb is null
@@ -50,6 +60,11 @@ class Settings:
     memory_budget_gb: float | None
     output_dir: str | None
     measure: MeasureOptions
+    inputs: str = "gaussian"
+    fidelity: FidelityOptions = FidelityOptions()
+    task: Mapping[str, Any] | None = None  # MQARConfig fields (seq_len None: each point's N); None: no task
+    logger: Any = None  # harness.logger.LoggerConfig
+    resume: bool = True
 
     @property
     def torch_dtype(self):
@@ -61,8 +76,10 @@ class Settings:
 # ----- validation ----------------------------------------------------------------------------------
 
 TOP_KEYS = ("variant", "seq_len", "seq_lens", "batch_size", "num_heads", "head_dim", "dtype", "device",
-            "causal", "seed", "memory_budget_gb", "output_dir", "measure")
+            "causal", "seed", "memory_budget_gb", "output_dir", "measure", "inputs", "fidelity", "task",
+            "logger", "resume")
 MEASURE_KEYS = tuple(f.name for f in dataclasses.fields(MeasureOptions))
+FIDELITY_KEYS = tuple(f.name for f in dataclasses.fields(FidelityOptions))
 
 
 def _is_int(x: Any) -> bool:
@@ -112,8 +129,8 @@ def _measure(cfg: Mapping[str, Any] | None) -> MeasureOptions:
     m = dataclasses.replace(MeasureOptions(), **cfg)
     passes = [m.passes] if isinstance(m.passes, str) else list(m.passes or [])
     bad = [p for p in passes if p not in PASSES]
-    if not passes or bad:
-        raise ConfigError(f"measure.passes must be a non-empty list of {', '.join(PASSES)}; got {m.passes!r}")
+    if bad:  # [] times nothing: a quality-only sweep (with measure.memory=false)
+        raise ConfigError(f"measure.passes must be a list of {', '.join(PASSES)} (or []); got {m.passes!r}")
     if not _is_int(m.warmup_iters) or m.warmup_iters < 0:
         raise ConfigError(f"measure.warmup_iters must be an integer >= 0; got {m.warmup_iters!r}")
     if not _is_number(m.min_run_time) or m.min_run_time <= 0:
@@ -123,6 +140,42 @@ def _measure(cfg: Mapping[str, Any] | None) -> MeasureOptions:
     _bool("measure.memory", m.memory)
     _bool("measure.param_grads", m.param_grads)
     return dataclasses.replace(m, passes=tuple(p for p in PASSES if p in passes), min_run_time=float(m.min_run_time))
+
+
+def _fidelity(cfg: Mapping[str, Any] | None) -> FidelityOptions:
+    cfg = dict(cfg or {})
+    _unknown_keys("fidelity option", cfg, FIDELITY_KEYS)
+    f = dataclasses.replace(FidelityOptions(), **cfg)
+    _bool("fidelity.enabled", f.enabled)
+    _positive_int("fidelity.batch_size", f.batch_size)
+    _positive_int("fidelity.block_size", f.block_size)
+    if f.max_seq_len is not None:
+        _positive_int("fidelity.max_seq_len (or null: no limit)", f.max_seq_len)
+    return f
+
+
+def _task(cfg: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The task's options without its name, or None for task=none. Its values are checked by
+    harness.task.MQARConfig in run.validate (that module needs torch)."""
+    cfg = dict(cfg or {"name": "none"})
+    name = cfg.pop("name", None)
+    if name not in TASKS:
+        raise ConfigError(f"unknown task {name!r}; allowed: {', '.join(TASKS)} (conf/task/*.yaml)")
+    if name == "none":
+        _unknown_keys("task=none option", cfg, ())
+        return None
+    return cfg
+
+
+def _logger(cfg: Mapping[str, Any] | None):
+    from .logger import LoggerConfig
+
+    cfg = dict(cfg or {"name": "none"})
+    _unknown_keys("logger option", cfg, tuple(f.name for f in dataclasses.fields(LoggerConfig)))
+    try:
+        return LoggerConfig(**cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
@@ -170,7 +223,18 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
         memory_budget_gb=None if budget is None else float(budget),
         output_dir=output_dir,
         measure=_measure(cfg.get("measure")),
+        inputs=_choice("inputs", cfg.get("inputs", "gaussian"), INPUT_KINDS),
+        fidelity=_fidelity(cfg.get("fidelity")),
+        task=_task(cfg.get("task")),
+        logger=_logger(cfg.get("logger")),
+        resume=_bool("resume", cfg.get("resume", True)),
     )
+
+
+def _choice(name: str, x: Any, allowed: tuple[str, ...]) -> str:
+    if x not in allowed:
+        raise ConfigError(f"unknown {name} {x!r}; allowed: {', '.join(allowed)}")
+    return x
 
 
 def variant_names() -> list[str]:

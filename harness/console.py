@@ -41,7 +41,7 @@ def _mib(x: int | None) -> str:
 
 class Display:
     COLUMNS = ("N", "status", "fwd ms", "bwd ms", "fwd+bwd ms", "peak MiB", "analytic MiB", "TFLOP/s fwd+bwd",
-               "density", "warm-up s", "others' cores", "reason")
+               "density", "out rel err", "mass kept", "task acc", "warm-up s", "others' cores", "reason")
 
     def __init__(self, title: str, total: int, console: Console | None = None) -> None:
         self.console = console or make_console()
@@ -80,7 +80,8 @@ class Display:
         self.table.add_row(str(r.seq_len), r.status, _ms(r.fwd_ms, r.fwd_iqr_ms), _ms(r.bwd_ms, r.bwd_iqr_ms),
                            _ms(r.fwd_bwd_ms, r.fwd_bwd_iqr_ms), _mib(r.peak_mem_bytes),
                            _mib(r.analytic_mem_bytes), _num(r.tflops_fwd_bwd), _num(r.density),
-                           _num(r.warmup_s), _num(r.other_cpu_cores, 2), r.reason or "")
+                           _num(r.out_rel_err), _num(r.mass_kept), _num(r.task_accuracy),
+                           _num(r.warmup_s), _num(r.other_cpu_cores, 2), "; ".join(x for x in (r.reason, r.quality_reason) if x))
         self.progress.advance(self.task)
         if self.live is not None:
             self.live.refresh()
@@ -89,8 +90,11 @@ class Display:
                                f"bwd {_ms(r.bwd_ms, r.bwd_iqr_ms)} ms, "
                                f"fwd+bwd {_ms(r.fwd_bwd_ms, r.fwd_bwd_iqr_ms)} ms, "
                                f"peak {_mib(r.peak_mem_bytes)} MiB (analytic {_mib(r.analytic_mem_bytes)}), "
+                               f"out_rel_err {_num(r.out_rel_err)}, mass_kept {_num(r.mass_kept)}, "
+                               f"task_accuracy {_num(r.task_accuracy)}, "
                                f"others' cores {_num(r.other_cpu_cores, 2)}"
-                               + (f" - {r.reason}" if r.reason else ""))
+                               + (f" - {r.reason}" if r.reason else "")
+                               + (f" - {r.quality_reason}" if r.quality_reason else ""))
 
     def fits(self, fits: dict[str, Any], seq_lens: Sequence[int]) -> None:
         """Shown below the table when the sweep ends."""

@@ -29,6 +29,7 @@ class LoggerConfig:
     mode: str | None = None  # online | offline | disabled; null: WANDB_MODE, else by credentials
     project: str = "attention-harness"
     entity: str | None = None
+    group: str | None = None  # None: the sweep directory under a Hydra multirun, else no group
     init_timeout_s: float = 20.0  # online only: then fall back to offline
 
     def __post_init__(self) -> None:
@@ -82,9 +83,10 @@ class RunLogger:
             self.run.log({k: v for k, v in row.items() if _is_number(v)})
 
     def log_task_step(self, seq_len: int, step: int, metrics: dict[str, float]) -> None:
+        """One eval of the task trained at ``seq_len``: keys task/N<seq_len>/<metric>, so each length's
+        training curve is a line of its own against task/step."""
         if self.run is not None:
-            self.run.log({"task/step": step, "task/seq_len": seq_len,
-                          **{f"task/{k}": v for k, v in metrics.items()}})
+            self.run.log({"task/step": step, **{f"task/N{seq_len}/{k}": v for k, v in metrics.items()}})
 
     def log_points_table(self, rows: list[dict[str, Any]]) -> None:
         """A wandb.Table of all points and line plots of time and memory against seq_len."""

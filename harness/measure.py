@@ -77,6 +77,8 @@ def measure_point(attn: torch.nn.Module, *, batch_size: int, num_heads: int, seq
                   record: dict, on_phase: Callable[[str], None] = lambda phase: None) -> None:
     """Measures one point into ``record`` (fields of harness.results.Result), filled as each measurement
     finishes so that what was measured before a failure (an OOM in the backward) is kept."""
+    if not opts.passes and not opts.memory:
+        return  # a quality-only point: nothing to time or measure
     shape = (batch_size, num_heads, seq_len, head_dim)  # (B, H, N, D)
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v, dout = (torch.randn(shape, generator=gen, dtype=dtype, device=device) for _ in range(4))

@@ -11,6 +11,8 @@ import csv
 import dataclasses
 import json
 import math
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -65,6 +67,21 @@ class Result:
     tflops_fwd_bwd_useful: float | None
     density: float | None  # used score entries / N²
     block_density: float | None  # computed key blocks / all blocks (mask-defined variants only)
+    # Fidelity against exact attention, float64 reference on the same q, k, v (harness/fidelity.py)
+    inputs: str | None  # gaussian | local | peaked: the distribution of q, k, v for fidelity
+    out_rel_err: float | None  # ‖o − o_ref‖ / ‖o_ref‖
+    out_cos: float | None  # cosine similarity of o and o_ref
+    out_max_abs_err: float | None  # max |o − o_ref|
+    grad_rel_err: float | None  # the largest relative L2 error among dq, dk, dv
+    mass_kept: float | None  # share of exact softmax mass on allowed pairs (mask-defined variants)
+    # Task quality: a small Transformer trained with the variant on MQAR (harness/task.py)
+    task: str | None  # mqar, or None when no task ran
+    task_seq_len: int | None  # the length it was trained at
+    task_accuracy: float | None  # final eval accuracy on query positions
+    task_loss: float | None  # final eval cross-entropy on query positions
+    task_chance_accuracy: float | None  # 1 / num_kv_pairs: guessing a value of the sequence
+    task_train_s: float | None
+    quality_reason: str | None  # why fidelity or task numbers are missing at an ok point (one line)
     # Environment
     device_name: str
     num_threads: int
@@ -87,9 +104,14 @@ class Result:
 
     def record(self) -> dict[str, Any]:
         """The flat form written to JSONL and CSV."""
-        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "options"}
+        row = {f.name: _finite(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "options"}
         row.update({f"opt_{name}": value for name, value in self.options})
         return row
+
+
+def _finite(x: Any) -> Any:
+    """NaN and infinities are not JSON: a non-finite number is written as null (never a crash)."""
+    return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Result) if f.name != "options")
@@ -103,15 +125,27 @@ def tflops(flops: int | None, ms: float | None) -> float | None:
 
 
 class ResultWriter:
-    """Writes ``results.jsonl`` (one object per point, flushed at once) and ``results.csv``."""
+    """Writes ``results.jsonl`` (one object per point, flushed at once) and ``results.csv``.
 
-    def __init__(self, output_dir: Path) -> None:
+    ``resume=True`` keeps the rows already in ``results.jsonl`` (``rows`` starts with them) and appends:
+    a line cut short by a kill mid-write is dropped first, so the file stays one whole object per line.
+    ``resume=False`` moves an existing file aside (``results.jsonl.replaced-<time>``): never deleted."""
+
+    def __init__(self, output_dir: Path, resume: bool = False) -> None:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.output_dir / "results.jsonl"
         self.csv = self.output_dir / "results.csv"
         self.rows: list[Result] = []
-        self._file = open(self.jsonl, "w")
+        if self.jsonl.exists():
+            if resume:
+                self.rows = [Result.from_record(r) for r in read_whole_lines(self.jsonl)]
+            else:
+                stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+                self.jsonl.rename(self.jsonl.with_name(f"{self.jsonl.name}.replaced-{stamp}"))
+        self._file = open(self.jsonl, "a")
+        if self.rows:
+            write_csv(self.csv, self.rows)
 
     def add(self, row: Result) -> None:
         self.rows.append(row)
@@ -144,6 +178,25 @@ def write_csv(path: Path, rows: Sequence[Result]) -> None:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def read_whole_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of a results.jsonl that a SIGKILL may have cut mid-line: whole lines are kept, a
+    line that does not parse (only the last can be cut) is dropped, and the file is rewritten without
+    it (atomically: a temporary file renamed over it)."""
+    records, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in records)
+        os.replace(tmp, path)
+    return records
 
 
 # ----- log-log fits --------------------------------------------------------------------------------
@@ -187,6 +240,9 @@ def _positive(x: Any) -> bool:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
+    """Written whole or not at all (a temporary file renamed over ``path``)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, allow_nan=False)
         f.write("\n")
+    os.replace(tmp, path)

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
+import math
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -23,6 +27,7 @@ from variants.blocksparse import MaskedAttention
 
 from . import env as envmod
 from .console import Display
+from .logger import wandb_run
 from .config import DEFAULT_BUDGET_SHARE, ConfigError, Settings, one_line, settings_from_config
 from .measure import measure_point, timer_name
 from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, Result, ResultWriter, fit_exponents, tflops,
@@ -76,7 +81,25 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> tuple[Settings, variants.At
     if attn.backend not in available:
         raise ConfigError(f"{attn.name}: backend {attn.backend!r} needs CUDA; available on {device.type}: "
                           f"{', '.join(available)}")
+    if settings.fidelity.enabled and settings.inputs == "local" and settings.head_dim % 2:
+        raise ConfigError(f"inputs=local needs an even head_dim (cos/sin pairs); got head_dim={settings.head_dim}; "
+                          f"allowed inputs here: gaussian, peaked")
+    if settings.task is not None:
+        task_config(settings, settings.seq_lens[0])  # the task's own checks, before anything is written
     return settings, attn, device
+
+
+def task_config(settings: Settings, seq_len: int):
+    """The MQAR config for a point of length ``seq_len`` (task.seq_len null: the point's N)."""
+    from .task import MQARConfig
+
+    values = dict(settings.task)
+    if values.get("seq_len") is None:
+        values["seq_len"] = seq_len
+    try:
+        return MQARConfig.from_dict(values)
+    except ValueError as e:
+        raise ConfigError(f"task=mqar at N={seq_len}: {one_line(e).removeprefix('mqar config: ')}") from None
 
 
 # ----- the sweep -----------------------------------------------------------------------------------
@@ -107,8 +130,12 @@ def memory_budget_bytes(settings: Settings, device: torch.device) -> int | None:
 def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None,
         display: Display | None = None) -> Sweep:
     """Measures the configured variant at every sequence length; writes results.jsonl, results.csv,
-    env.json and (with two or more lengths) fit.json into ``output_dir`` (default: ``cfg.output_dir``,
-    else Hydra's output directory)."""
+    env.json, status.json and (with two or more lengths) fit.json into ``output_dir`` (default:
+    ``cfg.output_dir``, else Hydra's output directory), and logs the run to wandb (``cfg.logger``).
+
+    With ``resume`` (the default) points already in the directory's results.jsonl are kept, not measured
+    again; status.json says running / completed / failed with the point counts (Hydra leaves no
+    failure marker in a job's directory)."""
     settings, attn, device = validate(cfg)
     out_dir = resolve_output_dir(output_dir, settings)
     environment = envmod.collect(device)
@@ -121,31 +148,108 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
              f"({environment.device_name}), {settings.dtype}, "
              f"B={settings.batch_size} H={settings.num_heads} D={settings.head_dim}"
              f"{' causal' if settings.causal else ''} -> {out_dir}")
+    config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     display = display or Display(title, len(settings.seq_lens))
-    with ResultWriter(out_dir) as writer, display:
-        write_json(out_dir / "env.json", {**environment.as_dict(), "date": envmod.now(),
-                                          "config": OmegaConf.to_container(cfg, resolve=True)
-                                          if isinstance(cfg, DictConfig) else dict(cfg)})
-        for seq_len in settings.seq_lens:
-            row = run_point(attn, settings, seq_len, device, environment, budget, options,
-                            on_phase=lambda phase, n=seq_len: display.phase(n, phase))
-            writer.add(row)
-            display.add(row)
-        fits = fit_exponents(writer.rows)
-        if fits:
-            write_json(out_dir / "fit.json", {"variant": attn.name, "backend": attn.backend,
-                                              "options": dict(options), "fits": fits})
-            display.fits(fits, sorted({n for f in fits.values() for n in f["seq_lens"]}))
-    return Sweep(writer.rows, fits, out_dir)
+    status = JobStatus(out_dir, len(settings.seq_lens))
+    task_cache: dict[int, dict[str, Any]] = {}  # task.seq_len fixed: trained once, reused at every point
+    try:
+        with ResultWriter(out_dir, resume=settings.resume) as writer, \
+                wandb_run(settings.logger, out_dir, {**config, "env": environment.as_dict()},
+                          name=f"{attn.name}/{attn.backend}", group=sweep_group(settings),
+                          tags=[attn.name, attn.backend, device.type]) as logger, display:
+            write_json(out_dir / "env.json", {**environment.as_dict(), "date": envmod.now(), "config": config})
+            wanted = {resume_key(attn.name, attn.backend, options, settings, n): n for n in settings.seq_lens}
+            done = [r for r in writer.rows if resume_key_of(r) in wanted]
+            for row in done:  # measured by an earlier run into this directory: shown and logged, not redone
+                display.add(row)
+                logger.log_point(row.record())
+            measured = {resume_key_of(r) for r in done}
+            status.update(writer.rows, len(done))
+            for key, seq_len in wanted.items():
+                if key in measured:
+                    continue
+                row = run_point(attn, settings, seq_len, device, environment, budget, options,
+                                on_phase=lambda phase, n=seq_len: display.phase(n, phase),
+                                task_log=lambda step, m, n=seq_len: logger.log_task_step(n, step, m),
+                                task_cache=task_cache)
+                writer.add(row)
+                done.append(row)
+                logger.log_point(row.record())
+                display.add(row)
+                status.update(writer.rows, len(done))
+            fits = fit_exponents(done)
+            if fits:
+                write_json(out_dir / "fit.json", {"variant": attn.name, "backend": attn.backend,
+                                                  "options": dict(options), "fits": fits})
+                display.fits(fits, sorted({n for f in fits.values() for n in f["seq_lens"]}))
+            logger.log_points_table([r.record() for r in done])
+            logger.summary({f"fit/{name}": f["fitted"] for name, f in fits.items()})
+    except BaseException as e:  # KeyboardInterrupt too: the directory says the job did not finish
+        status.finish("failed", one_line(f"{type(e).__name__}: {e}")[:500])
+        raise
+    status.finish("completed")
+    return Sweep(done, fits, out_dir)
+
+
+def resume_key(variant: str, backend: str, options: tuple, s: Settings, seq_len: int) -> tuple:
+    """What makes two points the same measurement, for resuming: variant, backend, options, workload,
+    dtype, device type, causal, seed, inputs, task and N."""
+    return (variant, backend, json.dumps(dict(options), sort_keys=True, default=str), s.batch_size,
+            s.num_heads, s.head_dim, s.dtype, resolve_device(s.device).type, s.causal, s.seed,
+            s.inputs if s.fidelity.enabled else None, "mqar" if s.task is not None else None, seq_len)
+
+
+def resume_key_of(r: Result) -> tuple:
+    return (r.variant, r.backend, json.dumps(dict(r.options), sort_keys=True, default=str), r.batch_size,
+            r.num_heads, r.head_dim, r.dtype, r.device, r.causal, r.seed, r.inputs, r.task, r.seq_len)
+
+
+def sweep_group(s: Settings) -> str | None:
+    """The wandb group: ``logger.group``, else the sweep directory under a Hydra multirun."""
+    if s.logger.group is not None:
+        return s.logger.group
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return str(HydraConfig.get().sweep.dir)
+    return None
+
+
+class JobStatus:
+    """``status.json``: state (running | completed | failed), point counts by status, pid, host, times."""
+
+    def __init__(self, out_dir: Path, total: int) -> None:
+        self.path = Path(out_dir) / "status.json"
+        self.info: dict[str, Any] = {"state": "running", "points_total": total, "points_done": 0,
+                                     "statuses": {}, "pid": os.getpid(), "hostname": socket.gethostname(),
+                                     "started": envmod.now(), "updated": envmod.now(), "error": None}
+
+    def update(self, rows: list[Result], done: int) -> None:
+        statuses: dict[str, int] = {}
+        for r in rows:
+            statuses[r.status] = statuses.get(r.status, 0) + 1
+        self.info.update(points_done=done, statuses=statuses, updated=envmod.now())
+        self._write()
+
+    def finish(self, state: str, error: str | None = None) -> None:
+        if self.path.parent.exists():
+            self.info.update(state=state, error=error, updated=envmod.now())
+            self._write()
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, self.info)
 
 
 def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device,
               environment: envmod.Environment, budget: int | None, options: tuple,
-              on_phase=lambda phase: None) -> Result:
+              on_phase=lambda phase: None, task_log=None, task_cache: dict | None = None) -> Result:
     B, H, N, D = s.batch_size, s.num_heads, seq_len, s.head_dim
     element_size = torch.empty((), dtype=s.torch_dtype).element_size()
     rec: dict[str, Any] = dict.fromkeys(FIELDS)
     rec.update(variant=attn.name, backend=attn.backend, seq_len=N, batch_size=B, num_heads=H, head_dim=D,
+               inputs=s.inputs if s.fidelity.enabled else None, task="mqar" if s.task is not None else None,
                dtype=s.dtype, device=device.type, causal=s.causal, seed=s.seed, status="ok",
                timer=timer_name(device, s.measure),
                **{k: v for k, v in environment.as_dict().items() if k in FIELDS})
@@ -184,6 +288,72 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
                    tflops_bwd=tflops(int(k * f), rec["bwd_ms"]), tflops_bwd_useful=tflops(int(k * fu), rec["bwd_ms"]),
                    tflops_fwd_bwd=tflops(int((1 + k) * f), rec["fwd_bwd_ms"]),
                    tflops_fwd_bwd_useful=tflops(int((1 + k) * fu), rec["fwd_bwd_ms"]))
+    if rec["status"] == "ok":
+        quality(attn, s, seq_len, device, rec, on_phase, task_log, task_cache if task_cache is not None else {})
     rec["other_cpu_cores"] = load.stop()
     rec["date"] = envmod.now()
     return Result(**rec, options=options)
+
+
+# ----- quality: fidelity against exact attention, and the task ------------------------------------
+
+def quality(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device, rec: dict[str, Any],
+            on_phase, task_log, task_cache: dict[int, dict[str, Any]]) -> None:
+    """Fidelity and task numbers into ``rec``. A failure here (out of memory in the float64 reference,
+    a task that diverges) leaves the timing intact: the numbers stay None and ``quality_reason`` says why."""
+    reasons = []
+    if s.fidelity.enabled:
+        if s.fidelity.max_seq_len is not None and seq_len > s.fidelity.max_seq_len:
+            reasons.append(f"fidelity: N > fidelity.max_seq_len={s.fidelity.max_seq_len}")
+        else:
+            on_phase("fidelity")
+            reasons.append(guarded("fidelity", device, lambda: rec.update(point_fidelity(attn, s, seq_len, device))))
+    if s.task is not None:
+        on_phase("task")
+        cfg = task_config(s, seq_len)
+
+        def train() -> None:
+            if cfg.seq_len not in task_cache:
+                task_cache[cfg.seq_len] = train_task(attn, s, cfg, device, task_log)
+            rec.update(task_cache[cfg.seq_len])
+
+        reasons.append(guarded("task", device, train))
+    reasons = [r for r in reasons if r]
+    rec["quality_reason"] = "; ".join(reasons) or None
+
+
+def guarded(what: str, device: torch.device, fn) -> str | None:
+    try:
+        fn()
+    except Exception as e:  # OutOfMemoryError included: recorded, the point and the sweep go on
+        message = str(e) if isinstance(e, (VariantError, ConfigError)) else f"{type(e).__name__}: {e}"
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return one_line(f"{what}: {message}")[:300]
+    return None
+
+
+def point_fidelity(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device) -> dict[str, Any]:
+    from .fidelity import fidelity, make_inputs
+
+    gen = torch.Generator().manual_seed(s.seed)
+    q, k, v = make_inputs(s.inputs, s.fidelity.batch_size, s.num_heads, seq_len, s.head_dim,
+                          dtype=s.torch_dtype, device=device, generator=gen)  # (B, H, N, D)
+    result = fidelity(attn, q, k, v, causal=s.causal, block_size=s.fidelity.block_size, grad_seed=s.seed)
+    bad = [k for k, v in result.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise FloatingPointError(f"non-finite {', '.join(bad)} (the variant's output or gradients overflow "
+                                 f"in {s.dtype})")
+    return result
+
+
+def train_task(attn: variants.Attention, s: Settings, cfg, device: torch.device, task_log) -> dict[str, Any]:
+    from .task import train_mqar
+
+    options = dataclasses.asdict(attn.options)
+    if options.get("num_heads") is not None:
+        options["num_heads"] = cfg.n_heads  # linear share=none: one E_h, F_h per head of the task's model
+    out = train_mqar(attn.name, options, cfg, log=task_log, device=device)
+    return {"task_seq_len": cfg.seq_len, "task_accuracy": out["task_accuracy"], "task_loss": out["task_loss"],
+            "task_chance_accuracy": out["chance_accuracy"], "task_train_s": out["train_seconds"]}

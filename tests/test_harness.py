@@ -23,7 +23,7 @@ from .conftest import CONF, ROOT, VARIANT_YAMLS
 MiB = 2**20
 # Tiny sizes and short measurement: the whole file stays far below a minute on two cores.
 TINY = ["batch_size=1", "num_heads=2", "head_dim=16", "seq_len=96", "measure.min_run_time=0.01",
-        "measure.warmup_iters=1"]
+        "measure.warmup_iters=1", "logger=none"]
 
 
 def compose_cfg(*overrides: str):
@@ -61,7 +61,7 @@ def test_every_variant_config_runs_and_records_every_field(yaml, tmp_path):
 # ----- the command line ------------------------------------------------------------------------------
 
 def harness_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "harness", *args]
+    return [sys.executable, "-m", "harness", "logger=none", *args]
 
 
 def test_command_line_runs_and_writes_results(tmp_path):
@@ -219,11 +219,13 @@ def test_out_of_memory_is_recorded_as_oom(tmp_path, monkeypatch):
 def test_config_yaml_documents_every_key_run_accepts():
     from omegaconf import OmegaConf
 
-    from harness.config import MEASURE_KEYS, TOP_KEYS
+    from harness.config import FIDELITY_KEYS, MEASURE_KEYS, TOP_KEYS
 
     config = OmegaConf.load(CONF / "config.yaml")
-    assert ["variant", *(k for k in config if k not in ("defaults", "hydra"))] == list(TOP_KEYS)
+    groups = {"variant", "task", "logger"}  # config groups: conf/<group>/*.yaml
+    assert groups | {k for k in config if k not in ("defaults", "hydra")} == set(TOP_KEYS)
     assert list(config.measure) == list(MEASURE_KEYS)
+    assert list(config.fidelity) == list(FIDELITY_KEYS)
 
 
 def test_linear_share_none_gets_num_heads_from_the_workload():

@@ -1,0 +1,163 @@
+"""Quality in the harness: fidelity and MQAR numbers per point, and the wandb run read back from disk.
+
+One real offline wandb run made by the real command line (``python -m harness ... task=mqar``) and read
+back with ``wandb leet inspect``: its config, summary, history and points table must equal what the
+harness wrote to results.jsonl, .hydra/config.yaml and env.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from harness.logger import POINT_METRICS
+from harness.results import read_jsonl
+
+from .test_harness import compose_cfg
+
+SEQ_LENS = (48, 80)  # not multiples of the window or the engine's block
+STEPS, EVAL_EVERY = 20, 10
+
+
+def leet(run_dir, *flags: str):
+    proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", *flags, "--json", str(run_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def offline_run(tmp_path_factory):
+    """The issue's done-when command at tiny sizes: sliding_window at two lengths with task=mqar."""
+    out = tmp_path_factory.mktemp("quality") / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "variant=sliding_window", "variant.window=8",
+         f"seq_lens=[{','.join(map(str, SEQ_LENS))}]", "num_heads=2", "head_dim=16",
+         "measure.min_run_time=0.01", "task=mqar", f"task.steps={STEPS}", f"task.eval_every={EVAL_EVERY}",
+         "task.eval_size=32", "task.batch_size=8", f"hydra.run.dir={out}"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, "one harness run is one wandb run"
+    summary = json.loads(leet(runs[0], "--summary"))
+    records = [json.loads(line) for line in leet(runs[0]).splitlines() if line.strip()]
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    return out, runs[0], read_jsonl(out / "results.jsonl"), summary, history
+
+
+def test_results_carry_fidelity_and_task_numbers(offline_run):
+    _, _, rows, _, _ = offline_run
+    assert [r["seq_len"] for r in rows] == list(SEQ_LENS)
+    for r in rows:
+        assert r["status"] == "ok" and r["quality_reason"] is None
+        assert r["inputs"] == "gaussian" and r["task"] == "mqar" and r["task_seq_len"] == r["seq_len"]
+        # window 8 of N >= 48 on iid inputs: far from exact, and only part of the softmax mass kept
+        assert 0.05 < r["out_rel_err"] < 2 and 0 < r["out_cos"] < 1 and r["grad_rel_err"] > 0.05
+        assert 0 < r["mass_kept"] < 0.9
+        assert 0 <= r["task_accuracy"] <= 1 and r["task_loss"] > 0 and r["task_chance_accuracy"] == 1 / 8
+
+
+def test_wandb_run_finished_with_the_resolved_config_and_environment(offline_run):
+    out, _, rows, summary, _ = offline_run
+    assert summary["state"] == "finished" and summary["exit_code"] == 0
+    config = {k: v for k, v in summary["config"].items() if k != "_wandb"}
+    environment = config.pop("env")
+    assert config == OmegaConf.to_container(OmegaConf.load(out / ".hydra" / "config.yaml"), resolve=True)
+    env_json = json.loads((out / "env.json").read_text())
+    assert environment == {k: v for k, v in env_json.items() if k not in ("date", "config")}
+    assert set(summary["tags"]) == {"sliding_window", rows[0]["backend"], "cpu"}
+
+
+def test_wandb_summary_and_history_equal_the_results_file(offline_run):
+    _, _, rows, summary, history = offline_run
+    points = [h for h in history if "seq_len" in h]
+    assert [h["seq_len"] for h in points] == list(SEQ_LENS)
+    for row, logged in zip(rows, points):
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        assert {k: logged[k] for k in numbers} == pytest.approx(numbers, rel=1e-12)
+    last = rows[-1]
+    for metric in POINT_METRICS:
+        if last.get(metric) is not None:
+            assert summary["summary"][metric] == pytest.approx(last[metric], rel=1e-12), metric
+    assert {"task_accuracy", "task_loss", "out_rel_err", "mass_kept"} <= set(summary["summary"])
+
+
+def test_task_curves_are_logged_per_length(offline_run):
+    _, _, rows, _, history = offline_run
+    for row in rows:
+        key = f"task/N{row['seq_len']}/eval_accuracy"
+        curve = [(h["task/step"], h[key]) for h in history if key in h]
+        assert [s for s, _ in curve] == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
+        assert curve[-1][1] == pytest.approx(row["task_accuracy"])
+
+
+def test_points_table_equals_the_results_file(offline_run):
+    _, run_dir, rows, summary, _ = offline_run
+    table = json.loads((run_dir / "files" / summary["summary"]["points"]["path"]).read_text())
+    logged = [dict(zip(table["columns"], values)) for values in table["data"]]
+    assert len(logged) == len(rows)
+    for row, got in zip(rows, logged):
+        for k, v in row.items():
+            if isinstance(v, float):
+                assert got[k] == pytest.approx(v, rel=1e-12), k
+            else:
+                assert got[k] == v, k
+
+
+def test_fidelity_beyond_its_max_length_is_missing_with_a_reason(tmp_path):
+    from harness.run import run
+
+    sweep = run(compose_cfg("variant=blockwise", "seq_lens=[40,72]", "num_heads=1", "head_dim=8",
+                            "fidelity.max_seq_len=64", "measure.passes=[]", "measure.memory=false",
+                            "logger=none"), output_dir=tmp_path)
+    short, long_ = (r.record() for r in sweep.rows)
+    # blockwise exact: rounding level in float32; nothing was timed (a quality-only point)
+    assert short["out_rel_err"] < 1e-5 and short["mass_kept"] == 1.0 and short["fwd_ms"] is None
+    assert long_["out_rel_err"] is None and "fidelity.max_seq_len=64" in long_["quality_reason"]
+
+
+def test_inputs_choose_the_distribution_and_local_inputs_keep_more_mass(tmp_path):
+    from harness.run import run
+
+    kept = {}
+    for kind in ("gaussian", "local"):
+        sweep = run(compose_cfg("variant=sliding_window", "variant.window=16", "seq_len=200", "num_heads=1",
+                                "head_dim=16", f"inputs={kind}", "measure.passes=[]", "measure.memory=false",
+                                "logger=none"), output_dir=tmp_path / kind)
+        (row,) = sweep.rows
+        assert row.inputs == kind
+        kept[kind] = row.mass_kept
+    assert kept["gaussian"] < 0.3 < 0.9 < kept["local"]
+
+
+def test_a_bad_task_or_logger_option_is_one_line_before_anything_is_written(tmp_path):
+    for args, needle in ((["task=mqar", "task.d_model=65"], "divisible"),
+                         (["task=mqar", "task.num_kv_pairs=0"], "num_kv_pairs"),
+                         (["logger.mode=sometimes"], "allowed: online, offline, disabled"),
+                         (["inputs=uniform"], "allowed: gaussian, local, peaked"),
+                         (["task=nope"], "allowed: mqar, mqar_gpu, none")):
+        out = tmp_path / "_".join(args).replace("=", "-")
+        proc = subprocess.run([sys.executable, "-m", "harness", "seq_len=64", *args, f"hydra.run.dir={out}"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr, (args, lines)
+        assert not out.exists()
+
+
+def test_non_finite_numbers_are_written_as_null_not_a_crash():
+    from harness.results import Result, FIELDS
+
+    rec = dict.fromkeys(FIELDS)
+    rec.update(variant="full", backend="math", seq_len=8, status="ok", out_rel_err=math.nan, out_cos=math.inf)
+    row = Result(**rec).record()
+    assert row["out_rel_err"] is None and row["out_cos"] is None
+    json.dumps(row, allow_nan=False)

@@ -1,0 +1,129 @@
+"""A killed sweep loses nothing: rerunning into the same directory measures only what is missing.
+
+The kill is a real SIGKILL of a real Hydra multirun (basic launcher) in the middle of its first job; the
+rerun must end with every point exactly once, every line whole, the points measured before the kill
+unchanged, and each job's status.json saying completed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness.results import read_jsonl
+from harness.run import run
+
+from .test_harness import compose_cfg
+
+SEQ_LENS = [32, 48, 64, 80, 96, 112]
+SWEEP = ["-m", "variant=full,linear", f"seq_lens=[{','.join(map(str, SEQ_LENS))}]", "num_heads=1",
+         "head_dim=8", "measure.passes=[fwd]", "measure.memory=false", "measure.warmup_iters=0",
+         "fidelity.enabled=false", "logger=none"]
+
+
+def sweep(sweep_dir) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "harness", *SWEEP, "measure.min_run_time=0.2",
+                             f"hydra.sweep.dir={sweep_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def job_dir(sweep_dir, variant: str):
+    """A job's directory is named by its overrides (hydra.job.override_dirname): stable across reruns."""
+    (path,) = [p for p in sweep_dir.iterdir() if f"variant={variant}" in p.name.split(",")]
+    return path
+
+
+def lines(path):
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_a_sweep_killed_half_way_and_rerun_has_every_point_once(tmp_path):
+    proc = sweep(tmp_path)
+    deadline = time.monotonic() + 120
+    while not any(tmp_path.glob("*variant=full*/results.jsonl")) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first_job = job_dir(tmp_path, "full") / "results.jsonl"
+    while len(lines(first_job)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the sweep ended before it could be killed: " + proc.communicate()[1][-2000:]
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group, as a scheduler's kill would
+    proc.wait()
+    before = [json.loads(line) for line in lines(first_job)]
+    assert 2 <= len(before) < len(SEQ_LENS)
+    assert json.loads((first_job.parent / "status.json").read_text())["state"] == "running"
+    with open(first_job, "a") as f:  # a kill mid-write leaves a cut line: it must be dropped, not kept
+        f.write('{"variant": "full", "seq_len": 9')
+
+    proc = sweep(tmp_path)  # the same command into the same directory
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert len(list(tmp_path.iterdir())) == 3  # two job directories and Hydra's multirun.yaml
+    for variant in ("full", "linear"):
+        job = job_dir(tmp_path, variant)
+        rows = [json.loads(line) for line in lines(job / "results.jsonl")]  # every line whole
+        assert sorted(r["seq_len"] for r in rows) == SEQ_LENS, job
+        assert all(r["status"] == "ok" for r in rows)
+        status = json.loads((job / "status.json").read_text())
+        assert status["state"] == "completed" and status["points_done"] == len(SEQ_LENS), status
+    after = read_jsonl(first_job)
+    assert after[:len(before)] == before, "points measured before the kill are kept as they were"
+
+
+def test_rerunning_a_finished_run_measures_nothing_and_resume_false_keeps_the_old_file(tmp_path):
+    args = ("variant=blockwise", "seq_lens=[40,56]", "num_heads=1", "head_dim=8", "measure.min_run_time=0.01",
+            "logger=none")
+    first = run(compose_cfg(*args), output_dir=tmp_path)
+    again = run(compose_cfg(*args, "seq_lens=[40,56,72]"), output_dir=tmp_path)
+    rows = read_jsonl(tmp_path / "results.jsonl")
+    assert [r["seq_len"] for r in rows] == [40, 56, 72]
+    assert rows[:2] == [r.record() for r in first.rows] and len(again.rows) == 3
+    # A different workload in the same directory is a different point: measured, not skipped.
+    run(compose_cfg(*args, "seq_lens=[40]", "head_dim=16"), output_dir=tmp_path)
+    assert [(r["seq_len"], r["head_dim"]) for r in read_jsonl(tmp_path / "results.jsonl")][-1] == (40, 16)
+
+    run(compose_cfg(*args, "seq_lens=[40]", "resume=false"), output_dir=tmp_path)
+    assert len(read_jsonl(tmp_path / "results.jsonl")) == 1
+    (old,) = tmp_path.glob("results.jsonl.replaced-*")
+    assert len(read_jsonl(old)) == 4, "resume=false moves the old results aside, it never deletes them"
+
+
+def test_a_job_that_raises_says_failed_in_its_status(tmp_path, monkeypatch):
+    from harness import run as runmod
+
+    calls = []
+
+    def interrupted(*a, **kw):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*a, **kw)
+
+    real = runmod.run_point
+    monkeypatch.setattr(runmod, "run_point", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(compose_cfg("variant=full", "seq_lens=[16,24]", "num_heads=1", "head_dim=8",
+                        "measure.min_run_time=0.01", "logger=none"), output_dir=tmp_path)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "failed" and "KeyboardInterrupt" in status["error"]
+    assert status["points_done"] == 1 and len(read_jsonl(tmp_path / "results.jsonl")) == 1
+
+
+def test_a_job_that_cannot_run_is_refused_in_one_line_and_the_sweep_goes_on(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness", "-m", "variant=linear,full", "causal=true",
+                           "seq_lens=[32]", "num_heads=1", "head_dim=8", "measure.min_run_time=0.01",
+                           "fidelity.enabled=false", "logger=none", f"hydra.sweep.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "causal" in errors[0] and "Traceback" not in proc.stderr
+    linear, full = job_dir(tmp_path, "linear"), job_dir(tmp_path, "full")
+    refused = json.loads((linear / "status.json").read_text())
+    assert refused["state"] == "refused" and not (linear / "results.jsonl").exists()
+    assert json.loads((full / "status.json").read_text())["state"] == "completed"
