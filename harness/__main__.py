@@ -19,7 +19,7 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 # Flags that take a value as the next argument, and flags after which the config is not ours to check.
 VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
-NO_PRECHECK = {"--help", "-h", "--hydra-help", "--info", "-i", "--config-path", "-cp", "--config-name", "-cn",
+NO_PRECHECK = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--config-path", "-cp", "--config-name", "-cn",
                "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
 MULTIRUN = {"--multirun", "-m"}
 

@@ -39,6 +39,14 @@ class LoggerConfig:
             raise ValueError(f"logger: unknown mode {self.mode!r}; allowed: {', '.join(MODES)}")
 
 
+def sweep_group_name(sweep_dir: str | Path) -> str:
+    """The wandb group of a sweep: the last two parts of its directory (multirun/cpu_small/2026-11-22T07-24-36Z
+    -> cpu_small/2026-11-22T07-24-36Z; Hydra's default multirun/DATE/TIME -> DATE/TIME). The harness's
+    jobs, the report and the dashboard script all name a sweep's group with this one function."""
+    path = Path(sweep_dir).resolve()
+    return "/".join(path.parts[-2:])
+
+
 def has_credentials() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True

@@ -27,7 +27,7 @@ from variants.blocksparse import MaskedAttention
 
 from . import env as envmod
 from .console import Display
-from .logger import wandb_run
+from .logger import sweep_group_name, wandb_run
 from .config import DEFAULT_BUDGET_SHARE, ConfigError, Settings, one_line, settings_from_config
 from .measure import measure_point, timer_name
 from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, Result, ResultWriter, fit_exponents, tflops,
@@ -205,14 +205,14 @@ def resume_key_of(r: Result) -> tuple:
 
 
 def sweep_group(s: Settings) -> str | None:
-    """The wandb group: ``logger.group``, else the sweep directory under a Hydra multirun."""
+    """The wandb group: ``logger.group``, else the sweep's (``sweep_group_name``) under a Hydra multirun."""
     if s.logger.group is not None:
         return s.logger.group
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return str(HydraConfig.get().sweep.dir)
+        return sweep_group_name(HydraConfig.get().sweep.dir)
     return None
 
 

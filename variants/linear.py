@@ -62,10 +62,10 @@ class Linear(Attention):
         return None  # no allowed mask: every query sees k mixtures of all keys
 
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
-        return seq_len * min(self.options.proj_dim, seq_len)  # score entries: N × k
+        return seq_len * self.options.proj_dim  # score entries: N × k (k projected keys even when k > N)
 
     def density(self, seq_len: int, causal: bool = False) -> float:
-        return self.options.proj_dim / seq_len
+        return self.options.proj_dim / seq_len  # N·k / N²: above 1 when k > N (more scores than full)
 
     def flops(self, B: int, H: int, N: int, D: int, causal: bool = False) -> Flops:
         # Attention on k projected keys (4·N·k·D) plus the two projections E·K, F·V (2·2·k·N·D).

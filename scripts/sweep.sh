@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# scripts/sweep.sh PRESET [hydra overrides ...]
+#
+# Runs the preset grid conf/sweep/PRESET.yaml as a Hydra multirun (`python -m harness --multirun
+# sweep=PRESET ...`), one job per grid point in SWEEP_DIR/<the job's overrides>/.
+#   SWEEP_DIR: hydra.sweep.dir=DIR when given (rerunning into the same DIR with the same overrides
+#              resumes: measured points are skipped), else multirun/PRESET/<UTC time>/ under the repo.
+# The exit status is the harness's, or 1 when it ran but some job did not complete (refused or failed,
+# e.g. linear in a causal sweep; the others still ran and their results stand). Prints the sweep dir before and after, and the report command.
+#
+# Examples:
+#   scripts/sweep.sh cpu_small
+#   scripts/sweep.sh cpu_small variant=full,linear 'seq_lens=[256,512]'
+#   scripts/sweep.sh seq_len_scaling hydra/launcher=slurm hydra.launcher.partition=gpu
+#   scripts/sweep.sh cpu_small hydra.sweep.dir=multirun/cpu_small/2026-11-22T07-20-00Z   # resume
+#
+# Launchers: basic (default; jobs one after another: timings must not share the machine),
+# hydra/launcher=local_parallel (joblib; quality-only sweeps), hydra/launcher=slurm,
+# hydra/launcher=submitit_local (parallel local processes). PYTHON=... picks the interpreter.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python}"
+
+allowed_presets() {
+    local names=() f
+    for f in "$ROOT"/conf/sweep/*.yaml; do
+        [ -e "$f" ] && names+=("$(basename "$f" .yaml)")
+    done
+    local IFS=,
+    echo "${names[*]}" | sed 's/,/, /g'
+}
+
+if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
+    [ $# -ge 1 ] && exit 0
+    exit 2
+fi
+
+PRESET="$1"
+shift
+if ! [[ "$PRESET" =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]*$ ]] || [ ! -f "$ROOT/conf/sweep/$PRESET.yaml" ]; then
+    echo "sweep.sh: unknown preset '$PRESET'; allowed: $(allowed_presets)" >&2
+    exit 2
+fi
+
+# The sweep dir: the user's hydra.sweep.dir=... (made absolute against the current directory, as
+# Hydra would; it is also the jobs' wandb group), else a fresh one under the repo.
+SWEEP_DIR=""
+args=()
+for a in "$@"; do
+    case "$a" in
+        hydra.sweep.dir=* | +hydra.sweep.dir=* | ++hydra.sweep.dir=*)
+            SWEEP_DIR="${a#*hydra.sweep.dir=}"
+            [ -n "$SWEEP_DIR" ] || { echo "sweep.sh: empty hydra.sweep.dir=" >&2; exit 2; }
+            case "$SWEEP_DIR" in
+                /* | '${'*) ;;
+                *) SWEEP_DIR="$PWD/$SWEEP_DIR" ;;
+            esac
+            ;;
+        *) args+=("$a") ;;
+    esac
+done
+if [ -z "$SWEEP_DIR" ]; then
+    SWEEP_DIR="$ROOT/multirun/$PRESET/$(date -u +%Y-%m-%dT%H-%M-%SZ)"
+fi
+SWEEP_DIR="${SWEEP_DIR%/}"
+# Hydra parses the value: a path with spaces or other special characters goes in quotes.
+SWEEP_ARG="$SWEEP_DIR"
+if [[ "$SWEEP_ARG" != *'${'* && "$SWEEP_ARG" =~ [^A-Za-z0-9_./@%+:-] ]]; then
+    SWEEP_ARG="'$(printf '%s' "$SWEEP_ARG" | sed "s/'/\\\\'/g")'"
+fi
+
+echo "sweep $PRESET -> $SWEEP_DIR"
+rc=0
+# The repo on PYTHONPATH: works without `pip install -e .` too. --multirun: the preset sets
+# hydra.mode=MULTIRUN, but Hydra refuses a comma sweep on the command line (variant=full,linear)
+# unless the flag is given.
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PYTHON" -m harness --multirun "sweep=$PRESET" ${args[@]+"${args[@]}"} "hydra.sweep.dir=$SWEEP_ARG" || rc=$?
+
+if [[ "$SWEEP_DIR" == *'${'* ]]; then  # an interpolation (${now:...}): Hydra's log above names the dir
+    echo "sweep $PRESET -> $SWEEP_DIR, as Hydra resolved it (exit $rc)"
+    echo "report: $PYTHON -m harness.report SWEEP_DIR"
+elif [ -d "$SWEEP_DIR" ]; then
+    # The jobs' states from their status.json files, in one line: "jobs: 5 (completed 4, refused 1)".
+    jobs_rc=0
+    "$PYTHON" - "$SWEEP_DIR" <<'EOF' || jobs_rc=$?
+import collections, json, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+jobs = sorted({p.parent for p in root.rglob("results.jsonl")} | {p.parent for p in root.rglob("status.json")})
+states = collections.Counter()
+for job in jobs:
+    try:
+        states[str(json.loads((job / "status.json").read_text()).get("state", "?"))] += 1
+    except (OSError, ValueError, AttributeError):
+        states["no status.json"] += 1
+if jobs:
+    print(f"jobs: {len(jobs)} ({', '.join(f'{s} {n}' for s, n in sorted(states.items()))})")
+sys.exit(3 if set(states) - {"completed"} else 0)  # a refused, failed or unfinished job
+EOF
+    if [ "$rc" -eq 0 ] && [ "$jobs_rc" -ne 0 ]; then
+        rc=1  # the other jobs ran, but the sweep is not whole: say so in the exit status
+        echo "sweep.sh: not every job completed (see each job's status.json); rerun the same command to resume" >&2
+    fi
+    echo "sweep $PRESET -> $SWEEP_DIR (exit $rc)"
+    echo "report: $PYTHON -m harness.report $(printf "%q" "$SWEEP_DIR")"
+else
+    echo "sweep $PRESET: no sweep dir was created (exit $rc)"
+fi
+exit "$rc"

@@ -1,0 +1,219 @@
+"""scripts/sweep.sh, the launcher configs and scripts/wandb_dashboard.py, end to end at tiny sizes.
+
+Sweeps run as subprocesses (bash scripts/sweep.sh ...) with logger=none and WANDB_MODE=disabled: no
+wandb, no network. The whole file takes about 20 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SWEEP_SH = ROOT / "scripts" / "sweep.sh"
+DASHBOARD = ROOT / "scripts" / "wandb_dashboard.py"
+PRESETS = sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml"))
+VARIANTS = sorted(p.stem for p in (ROOT / "conf" / "variant").glob("*.yaml"))
+SEQ_LENS = [32, 64]
+TINY = [f"seq_lens=[{','.join(map(str, SEQ_LENS))}]", "num_heads=1", "head_dim=8", "measure.min_run_time=0.01",
+        "measure.warmup_iters=0", "fidelity.enabled=false", "logger=none"]
+WANDB_ENV = ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "NETRC", "WANDB_ENTITY",
+             "WANDB_PROJECT")
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if k not in WANDB_ENV}
+    e.update(WANDB_MODE="disabled", PYTHON=sys.executable, PYTHONUNBUFFERED="1", **extra)
+    return e
+
+
+def sweep(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SWEEP_SH), *args], check=False, cwd=cwd, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def lines(p: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+
+
+def jobs(sweep_dir: Path) -> dict[str, Path]:
+    """variant name -> job dir, for every job dir that wrote results."""
+    found = {}
+    for results in sweep_dir.glob("*/results.jsonl"):
+        overrides = dict(kv.split("=", 1) for kv in results.parent.name.split(",") if "=" in kv)
+        found[overrides["variant"]] = results.parent
+    return found
+
+
+def check_jobs(sweep_dir: Path, variants: list[str]) -> None:
+    found = jobs(sweep_dir)
+    assert sorted(found) == sorted(variants), sorted(found)
+    for variant, job in found.items():
+        rows = [json.loads(line) for line in (job / "results.jsonl").read_text().splitlines() if line.strip()]
+        assert sorted(r["seq_len"] for r in rows) == SEQ_LENS, (variant, rows)
+        assert all(r["status"] == "ok" and r["variant"] == variant for r in rows), (variant, rows)
+        for name in ("results.csv", "env.json", "fit.json"):
+            assert (job / name).is_file(), (variant, name)
+        if (job / "status.json").is_file():
+            assert json.loads((job / "status.json").read_text())["state"] == "completed", variant
+
+
+def test_cpu_small_basic_launcher_end_to_end_and_resume(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    # From another directory, with a relative sweep dir: sweep.sh finds the repo and makes the path absolute.
+    p = sweep("cpu_small", *TINY, "hydra.sweep.dir=sweep", cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    check_jobs(sweep_dir, VARIANTS)
+    assert p.stdout.count(str(sweep_dir)) >= 2, p.stdout[-2000:]  # before and after
+    assert f"-m harness.report {sweep_dir}" in p.stdout
+
+    # Rerunning one job of it into the same dir measures nothing again.
+    job = jobs(sweep_dir)["full"]
+    before = (job / "results.jsonl").read_text()
+    p = sweep("cpu_small", *TINY, "variant=full", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert (job / "results.jsonl").read_text() == before
+    assert sorted(jobs(sweep_dir)) == VARIANTS  # same job dir, no new one
+
+
+def test_cpu_small_submitit_local_launcher(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    p = sweep("cpu_small", *TINY, "variant=full,linear", "hydra/launcher=submitit_local",
+              f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    check_jobs(sweep_dir, ["full", "linear"])
+    assert (sweep_dir / ".submitit").is_dir()  # it did go through submitit
+
+
+@pytest.mark.parametrize("preset", ["no_such_preset", "../sweep/cpu_small"])
+def test_unknown_preset_is_one_line_and_no_sweep_dir(tmp_path, preset):
+    before = set((ROOT / "multirun").glob("*")) if (ROOT / "multirun").is_dir() else set()
+    p = sweep(preset, *TINY, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert p.returncode != 0
+    out = lines(p)
+    assert len(out) == 1, out
+    assert preset in out[0] and all(name in out[0] for name in PRESETS), out[0]
+    assert not (tmp_path / "sweep").exists()
+    p = sweep(preset, cwd=tmp_path)  # the default sweep dir is not made either
+    assert p.returncode != 0 and len(lines(p)) == 1
+    after = set((ROOT / "multirun").glob("*")) if (ROOT / "multirun").is_dir() else set()
+    assert after == before
+
+
+def test_harness_exit_code_propagates(tmp_path):
+    p = sweep("cpu_small", "no_such_key=1", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "no_such_key" in p.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_refused_job_makes_the_sweep_exit_1_and_the_others_complete(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    p = sweep("cpu_small", *TINY, "variant=full,linear", "causal=true", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "jobs: 2 (completed 1, refused 1)" in p.stdout and "not every job completed" in p.stderr
+    check_jobs(sweep_dir, ["full"])  # linear cannot be causal: refused, its job dir holds status.json only
+
+
+def test_a_rerun_with_more_lengths_extends_the_same_jobs(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    assert sweep("cpu_small", *TINY, "variant=full", "seq_lens=[32]", f"hydra.sweep.dir={sweep_dir}",
+                 cwd=tmp_path).returncode == 0
+    first = (jobs(sweep_dir)["full"] / "results.jsonl").read_text().splitlines()
+    assert len(first) == 1
+    assert sweep("cpu_small", *TINY, "variant=full", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path).returncode == 0
+    check_jobs(sweep_dir, ["full"])
+    assert (jobs(sweep_dir)["full"] / "results.jsonl").read_text().splitlines()[0] == first[0]
+
+
+def hydra_launcher_cfg(launcher: str, *overrides: str) -> dict:
+    p = subprocess.run([sys.executable, "-m", "harness", "sweep=cpu_small", f"hydra/launcher={launcher}",
+                        *overrides, "--cfg", "hydra", "-p", "hydra.launcher"],
+                       check=False, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return yaml.safe_load(p.stdout)
+
+
+def test_slurm_launcher_composes_and_makes_the_sbatch_script(tmp_path, monkeypatch):
+    cfg = hydra_launcher_cfg("slurm", "hydra.launcher.partition=gpu")
+    assert cfg["_target_"] == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert cfg["partition"] == "gpu"
+    assert cfg["gpus_per_node"] == 1
+    assert isinstance(cfg["timeout_min"], int) and cfg["timeout_min"] > 0
+    # Every key is one of the plugin's (its structured config refuses others at composition) and one that
+    # submitit turns into an sbatch line: the plugin's own mapping (SubmititLauncher.launch), on a
+    # machine without SLURM.
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+    from submitit.slurm import slurm
+
+    monkeypatch.setattr(slurm.SlurmExecutor, "affinity", classmethod(lambda cls: 2))
+    executor = submitit.AutoExecutor(folder=tmp_path, cluster="slurm",
+                                     slurm_max_num_timeout=cfg["max_num_timeout"])
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    params = {k if k in base else f"slurm_{k}": v for k, v in cfg.items()
+              if k not in ("_target_", "submitit_folder", "max_num_timeout")}
+    params["name"] = "harness"  # ${hydra.job.name}
+    executor.update_parameters(**params)
+    script = executor._executor._make_submission_file_text("python -m harness", "0")
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=1", "#SBATCH --time=120",
+                 "#SBATCH --cpus-per-task=16", "#SBATCH --mem=64GB"):
+        assert line in script, script
+    assert "@120" in next(line for line in script.splitlines() if line.startswith("#SBATCH --signal="))
+
+
+def test_local_parallel_launcher_composes():
+    cfg = hydra_launcher_cfg("local_parallel")
+    assert cfg["_target_"] == "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+    assert cfg["n_jobs"] == 2
+
+
+def dashboard(*args: str, home: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(DASHBOARD), *args], check=False, cwd=home, env=env(HOME=str(home)),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_wandb_dashboard_without_credentials_is_one_line(tmp_path):
+    p = dashboard("some/sweep/group", home=tmp_path)
+    assert p.returncode == 1
+    out = lines(p)
+    assert len(out) == 1, out
+    assert "no wandb credentials" in out[0] and "harness.report" in out[0]
+    assert "Traceback" not in p.stderr
+
+
+def test_wandb_dashboard_report_outline(tmp_path):
+    """Offline (--dry-run): with wandb-workspaces, the report's grids, filter and panels; without it,
+    one line saying how to install it."""
+    group = "/runs/multirun/cpu_small/2026-11-22T07-00-00Z"
+    p = dashboard(group, "--dry-run", "--entity", "me", home=tmp_path)
+    try:
+        import wandb_workspaces  # noqa: F401
+    except ImportError:
+        assert p.returncode == 1
+        out = lines(p)
+        assert len(out) == 1 and "pip install" in out[0] and "wandb-workspaces" in out[0], out
+        return
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads(p.stdout)
+    assert (report["entity"], report["project"]) == ("me", "attention-harness")
+    grids = [b for b in report["blocks"] if b["block"] == "PanelGrid"]
+    assert len(grids) == 3
+    metrics = set()
+    for grid in grids:
+        (runset,) = grid["runsets"]
+        assert group in runset["filters"] and "Group" in runset["filters"]
+        assert runset["groupby_keys"] == ["variant.value._target_"]
+        for panel in grid["panels"]:
+            assert panel["panel"] == "LinePlot" and panel["x"] == "seq_len"
+            metrics.update(panel["y"])
+    assert metrics == {"fwd_ms", "bwd_ms", "fwd_bwd_ms", "peak_mem_bytes", "out_rel_err", "mass_kept",
+                       "task_accuracy"}
