@@ -21,6 +21,8 @@ from torch import Tensor
 from .base import Attention, dense_attention
 from .masks import Predicate, causal_blocks, dense_mask, layout_predicate
 
+FUSED_BACKENDS = ("flex", "xformers")  # GPU kernels that tile internally: no gathered blocks in memory
+
 
 @dataclass(frozen=True)
 class Group:
@@ -162,9 +164,15 @@ class MaskedAttention(Attention):
     def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
         if self.backend == "dense":
             return seq_len * seq_len
+        if self.backend in FUSED_BACKENDS:
+            # Counted on the allowed pairs, as for fused SDPA kernels (FlashAttention's convention);
+            # the harness replaces flex's figure with its BlockMask's computed tiles after measuring.
+            return self.allowed_pairs(seq_len, causal)
         return self.pair_counts(seq_len, causal)[1]
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4) -> int:
+        if self.backend in FUSED_BACKENDS:
+            return element_size * B * H * 8 * N * D  # fused kernels: O(N·D), as full's fused backends
         if self.backend == "dense":
             return super().memory_bytes(B, H, N, D, element_size)
         # Score tiles (scores, probabilities, their gradient) and the gathered keys and values with

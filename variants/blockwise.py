@@ -61,6 +61,8 @@ class Blockwise(MaskedAttention):
         return super().allowed_pairs(seq_len, causal)
 
     def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
+        if self.options.mode == "exact" and self.backend == "dense":
+            return seq_len * seq_len  # counted: the engine's pair count would enumerate N² elements
         if self.backend != "online":
             return super().executed_pairs(seq_len, causal)
         # Key block [s, e) is computed against queries [s, N) under causal, all N otherwise.
