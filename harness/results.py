@@ -27,6 +27,7 @@ class Result:
     # The point
     variant: str
     backend: str
+    backend_ran: str | None  # the kernel that actually ran, where the backend chooses (full's auto)
     seq_len: int
     batch_size: int
     num_heads: int

@@ -271,6 +271,7 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
             measure_point(attn, batch_size=B, num_heads=H, seq_len=N, head_dim=D, dtype=s.torch_dtype,
                           device=device, causal=s.causal, seed=s.seed, opts=s.measure, record=rec,
                           on_phase=on_phase)
+            rec["backend_ran"] = getattr(attn, "last_backend", None) or attn.backend
             if attn.backend == "flex":  # what the kernel computed: whole tiles of its BlockMask (cached
                 from variants.flex import block_mask_stats  # on the device by the warm-up)
 

@@ -263,3 +263,9 @@ def test_only_the_chosen_passes_and_memory_are_measured(tmp_path):
     (row,) = rows_of(tmp_path)
     assert row["status"] == "ok" and row["fwd_ms"] > 0
     assert row["bwd_ms"] is row["fwd_bwd_ms"] is row["peak_mem_bytes"] is row["tflops_bwd"] is None
+
+
+def test_the_backend_that_ran_is_recorded(tmp_path):
+    sweep = run(compose_cfg("variant=full", "variant.backend=math", *TINY, "measure.passes=[fwd]"),
+                output_dir=tmp_path)
+    assert sweep.rows[0].backend == sweep.rows[0].backend_ran == "math"
