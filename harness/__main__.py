@@ -136,11 +136,9 @@ def hydra_main(cfg: DictConfig) -> None:
             fail(one_line(e))
         # One job of a sweep that cannot run (linear in a causal sweep): said in one line and in the
         # job's status.json; the other jobs go on.
-        from harness.results import write_json
+        from harness.run import JobStatus
 
-        out = Path(hc.runtime.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "status.json", {"state": "refused", "error": one_line(e)})
+        JobStatus(Path(hc.runtime.output_dir), None).finish("refused", one_line(e))
         print(f"error: job {hc.job.num} ({hc.job.override_dirname}): {one_line(e)}", file=sys.stderr)
 
 

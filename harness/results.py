@@ -140,7 +140,7 @@ class ResultWriter:
         self.rows: list[Result] = []
         if self.jsonl.exists():
             if resume:
-                self.rows = [Result.from_record(r) for r in read_whole_lines(self.jsonl)]
+                self.rows = [Result.from_record(r) for r in drop_cut_lines(self.jsonl)]
             else:
                 stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
                 self.jsonl.rename(self.jsonl.with_name(f"{self.jsonl.name}.replaced-{stamp}"))
@@ -177,27 +177,34 @@ def write_csv(path: Path, rows: Sequence[Result]) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a results.jsonl, whole lines only: a line that does not parse (a SIGKILL can cut
+    the last one mid-write) is skipped."""
+    return _whole_lines(path)[0]
 
 
-def read_whole_lines(path: Path) -> list[dict[str, Any]]:
-    """The records of a results.jsonl that a SIGKILL may have cut mid-line: whole lines are kept, a
-    line that does not parse (only the last can be cut) is dropped, and the file is rewritten without
-    it (atomically: a temporary file renamed over it)."""
-    records, dropped = [], 0
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                dropped += 1
+def drop_cut_lines(path: Path) -> list[dict[str, Any]]:
+    """``read_jsonl``, and the file rewritten without a cut line (atomically: a temporary file renamed
+    over it), so that appending after it starts on a fresh line."""
+    records, dropped = _whole_lines(path)
     if dropped:
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in records)
         os.replace(tmp, path)
     return records
+
+
+def _whole_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
+    records, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                dropped += 1
+    return records, dropped
 
 
 # ----- log-log fits --------------------------------------------------------------------------------

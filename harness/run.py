@@ -158,13 +158,13 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
                           name=f"{attn.name}/{attn.backend}", group=sweep_group(settings),
                           tags=[attn.name, attn.backend, device.type]) as logger, display:
             write_json(out_dir / "env.json", {**environment.as_dict(), "date": envmod.now(), "config": config})
-            wanted = {resume_key(attn.name, attn.backend, options, settings, n): n for n in settings.seq_lens}
-            done = [r for r in writer.rows if resume_key_of(r) in wanted]
+            wanted = {resume_key(point_identity(attn, settings, device, n), options): n for n in settings.seq_lens}
+            done = [r for r in writer.rows if resume_key(r.record(), r.options) in wanted]
             for row in done:  # measured by an earlier run into this directory: shown and logged, not redone
                 display.add(row)
                 logger.log_point(row.record())
-            measured = {resume_key_of(r) for r in done}
-            status.update(writer.rows, len(done))
+            measured = {resume_key(r.record(), r.options) for r in done}
+            status.update(done)
             for key, seq_len in wanted.items():
                 if key in measured:
                     continue
@@ -176,7 +176,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
                 done.append(row)
                 logger.log_point(row.record())
                 display.add(row)
-                status.update(writer.rows, len(done))
+                status.update(done)
             fits = fit_exponents(done)
             if fits:
                 write_json(out_dir / "fit.json", {"variant": attn.name, "backend": attn.backend,
@@ -191,17 +191,20 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     return Sweep(done, fits, out_dir)
 
 
-def resume_key(variant: str, backend: str, options: tuple, s: Settings, seq_len: int) -> tuple:
-    """What makes two points the same measurement, for resuming: variant, backend, options, workload,
-    dtype, device type, causal, seed, inputs, task and N."""
-    return (variant, backend, json.dumps(dict(options), sort_keys=True, default=str), s.batch_size,
-            s.num_heads, s.head_dim, s.dtype, resolve_device(s.device).type, s.causal, s.seed,
-            s.inputs if s.fidelity.enabled else None, "mqar" if s.task is not None else None, seq_len)
+def point_identity(attn: variants.Attention, s: Settings, device: torch.device, seq_len: int) -> dict[str, Any]:
+    """The fields that say which measurement a point is (with the variant's options): the start of its
+    record, and, for resuming, what makes two points the same."""
+    return dict(variant=attn.name, backend=attn.backend, seq_len=seq_len, batch_size=s.batch_size,
+                num_heads=s.num_heads, head_dim=s.head_dim, dtype=s.dtype, device=device.type, causal=s.causal,
+                seed=s.seed, inputs=s.inputs if s.fidelity.enabled else None,
+                task="mqar" if s.task is not None else None)
 
 
-def resume_key_of(r: Result) -> tuple:
-    return (r.variant, r.backend, json.dumps(dict(r.options), sort_keys=True, default=str), r.batch_size,
-            r.num_heads, r.head_dim, r.dtype, r.device, r.causal, r.seed, r.inputs, r.task, r.seq_len)
+def resume_key(identity: Mapping[str, Any], options: tuple) -> tuple:
+    """A point's identity (``point_identity``'s fields, read from a new point or a stored row) and options."""
+    fields = ("variant", "backend", "seq_len", "batch_size", "num_heads", "head_dim", "dtype", "device",
+              "causal", "seed", "inputs", "task")
+    return (*(identity[f] for f in fields), json.dumps(dict(options), sort_keys=True, default=str))
 
 
 def sweep_group(s: Settings) -> str | None:
@@ -217,25 +220,25 @@ def sweep_group(s: Settings) -> str | None:
 
 
 class JobStatus:
-    """``status.json``: state (running | completed | failed), point counts by status, pid, host, times."""
+    """``status.json``: state (running | completed | failed | refused), point counts by status, pid, host,
+    times."""
 
-    def __init__(self, out_dir: Path, total: int) -> None:
+    def __init__(self, out_dir: Path, total: int | None) -> None:
         self.path = Path(out_dir) / "status.json"
         self.info: dict[str, Any] = {"state": "running", "points_total": total, "points_done": 0,
                                      "statuses": {}, "pid": os.getpid(), "hostname": socket.gethostname(),
                                      "started": envmod.now(), "updated": envmod.now(), "error": None}
 
-    def update(self, rows: list[Result], done: int) -> None:
+    def update(self, done: list[Result]) -> None:
         statuses: dict[str, int] = {}
-        for r in rows:
+        for r in done:
             statuses[r.status] = statuses.get(r.status, 0) + 1
-        self.info.update(points_done=done, statuses=statuses, updated=envmod.now())
+        self.info.update(points_done=len(done), statuses=statuses, updated=envmod.now())
         self._write()
 
     def finish(self, state: str, error: str | None = None) -> None:
-        if self.path.parent.exists():
-            self.info.update(state=state, error=error, updated=envmod.now())
-            self._write()
+        self.info.update(state=state, error=error, updated=envmod.now())
+        self._write()
 
     def _write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -248,10 +251,7 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
     B, H, N, D = s.batch_size, s.num_heads, seq_len, s.head_dim
     element_size = torch.empty((), dtype=s.torch_dtype).element_size()
     rec: dict[str, Any] = dict.fromkeys(FIELDS)
-    rec.update(variant=attn.name, backend=attn.backend, seq_len=N, batch_size=B, num_heads=H, head_dim=D,
-               inputs=s.inputs if s.fidelity.enabled else None, task="mqar" if s.task is not None else None,
-               dtype=s.dtype, device=device.type, causal=s.causal, seed=s.seed, status="ok",
-               timer=timer_name(device, s.measure),
+    rec.update(**point_identity(attn, s, device, N), status="ok", timer=timer_name(device, s.measure),
                **{k: v for k, v in environment.as_dict().items() if k in FIELDS})
     oom = False
     load = envmod.OtherLoad()

@@ -694,15 +694,10 @@ def overhead_case(ctx: Context, case: dict, variant: str, opts: dict, rep: float
 
 
 def read_jsonl_safe(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line cut by a kill
-    return out
+    """The whole lines of a .jsonl (a line cut by a kill is skipped); [] when there is none yet."""
+    from harness.results import read_jsonl
+
+    return read_jsonl(path) if path.exists() else []
 
 
 def append_jsonl(path: Path, row: dict) -> None:
