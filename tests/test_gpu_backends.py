@@ -182,7 +182,7 @@ def test_gpu_only_backend_on_cpu_is_one_clear_line(name, options, backend):
 def test_backend_sets():
     assert {b for _, _, b in GPU_ONLY} == {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "xformers", "auto", "flex"}
     full = variants.build("full")
-    assert full.backend == "math" and "sdpa_math" in full.available_backends("cpu")
+    assert full.backend == "sdpa" and "sdpa_math" in full.available_backends("cpu")
     assert variants.build("blockwise").backend == "online"
     assert variants.build("sliding_window").backend == "blocksparse"
     assert variants.build("sparse").backend == "blocksparse"

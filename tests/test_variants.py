@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -281,6 +283,46 @@ def test_build_matches_yaml_registry():
         assert type(from_yaml(path)) is variants.REGISTRY[path.stem]
 
 
+def test_shipped_yaml_defaults_are_the_class_defaults():
+    """One default per option: variants.build(name) runs what conf/variant/<name>.yaml runs."""
+    for path in VARIANT_YAMLS:
+        yaml = OmegaConf.to_container(OmegaConf.load(path))
+        cls = variants.REGISTRY[path.stem]
+        defaults = {f.name: f.default for f in dataclasses.fields(cls.Options)}
+        assert set(yaml) - {"_target_"} == set(defaults), path.stem  # every option listed
+        backend = yaml.pop("backend")
+        assert backend is None or backend == list(cls.backends)[0], path.stem
+        assert {k: v for k, v in yaml.items() if k != "_target_"} == {k: v for k, v in defaults.items()
+                                                                      if k != "backend"}, path.stem
+
+
+def test_sparse_records_only_its_patterns_options():
+    o = variants.build("sparse", pattern="strided").options
+    assert (o.stride, o.local_blocks, o.window_blocks, o.seed) == (4, None, None, None)
+    assert variants.build("sparse", pattern="strided", stride=4).options == o  # one series, not two
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("name,options", [c for c in CASES if c[0] == "sparse" and c[1].get("pattern") == "bigbird"],
+                         ids=str)
+def test_bigbird_pair_counts_equal_the_mask(name, options, causal):
+    """The other patterns are checked in test_mask_is_the_contract_formula."""
+    for N in (97, 200):
+        attn = variants.build(name, **options)
+        assert attn.allowed_pairs(N, causal) == int(attn.mask(N, causal).sum()), N
+
+
+@pytest.mark.parametrize("name,options", [("sparse", {"pattern": "fixed"}), ("sliding_window", {"window": 256})])
+def test_counting_pairs_at_64k_allocates_no_n_squared_temporary(name, options):
+    """Pairs are counted before the memory budget check: at N=65536 a mask of the engine's tile shape
+    would be ~1e9 elements (sparse fixed), so the count must stay within small temporaries."""
+    from harness.memory import cpu_peak_bytes
+
+    attn = variants.build(name, **options)
+    peak = cpu_peak_bytes(lambda: attn.flops(1, 1, 65536, 64))
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB"
+
+
 def test_efficient_paths_build_no_dense_mask(monkeypatch):
     """The block-sparse engine must never call the O(N²) mask."""
     def forbidden(*a, **k):
@@ -300,7 +342,7 @@ def test_efficient_paths_build_no_dense_mask(monkeypatch):
 @pytest.mark.parametrize("name,options,expect", [
     ("sliding_window", {"windw": 3}, "unknown option 'windw'; allowed: window, dilation, global_tokens"),
     ("nope", {}, "unknown variant 'nope'; allowed: full, sparse, blockwise, sliding_window, linear"),
-    ("full", {"backend": "flash"}, "unknown backend 'flash'; allowed: math, sdpa"),
+    ("full", {"backend": "flash"}, "unknown backend 'flash'; allowed: sdpa, math"),
     ("blockwise", {"block_size": 0}, "block_size must be an integer > 0"),
     ("blockwise", {"mode": "global"}, "unknown mode 'global'; allowed: exact, local"),
     ("sliding_window", {"window": -1}, "window must be an integer >= 0"),
@@ -309,6 +351,9 @@ def test_efficient_paths_build_no_dense_mask(monkeypatch):
     ("sparse", {"pattern": "bigbird", "window_blocks": 2}, "window_blocks must be odd"),
     ("sparse", {"summary_blocks": 5, "local_blocks": 4}, "summary_blocks (5) must be <= local_blocks (4)"),
     ("sparse", {"block_size": -8}, "block_size must be an integer >= 1"),
+    ("sparse", {"pattern": "fixed", "stride": 4},
+     "option 'stride' belongs to pattern=strided, not pattern=fixed; allowed for fixed: local_blocks, summary_blocks"),
+    ("sparse", {"pattern": "bigbird", "local_blocks": 2}, "option 'local_blocks' belongs to pattern=fixed"),
     ("linear", {"share": "all"}, "unknown share 'all'; allowed: headwise, kv, none"),
     ("linear", {"share": "none"}, "share=none needs num_heads"),
 ])

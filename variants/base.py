@@ -113,11 +113,11 @@ class Attention(nn.Module):
     def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
         return self.allowed_pairs(seq_len, causal)
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
         """Analytic estimate of the extra peak memory of forward+backward (inputs excluded)."""
         # Saved probabilities and one gradient-sized buffer of the same size, plus q/k/v/out-sized
         # gradients and outputs. Variants with their own structure override this.
-        return element_size * B * H * (3 * self.executed_pairs(N) + 6 * N * D)
+        return element_size * B * H * (3 * self.executed_pairs(N, causal) + 6 * N * D)
 
     # ----- call ------------------------------------------------------------------------------------
     def scale(self, head_dim: int) -> float:

@@ -22,6 +22,7 @@ from .base import Attention, dense_attention
 from .masks import Predicate, causal_blocks, dense_mask, layout_predicate
 
 FUSED_BACKENDS = ("flex", "xformers")  # GPU kernels that tile internally: no gathered blocks in memory
+COUNT_CHUNK = 1 << 20  # elements of the largest temporary (int64 index tensors: 8 MiB each) when counting pairs
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,25 @@ class BlockPlan:
         return torch.where(i < N, m, valid.repeat_interleave(b, dim=1)[:, None, :] & (j < N))
 
     def pair_counts(self, allowed: Predicate | None) -> tuple[int, int]:
-        """(allowed pairs, executed pairs) per (batch, head), without any N×N tensor."""
+        """(allowed pairs, executed pairs) per (batch, head). Counted a few query blocks at a time, so
+        no temporary exceeds COUNT_CHUNK elements whatever N is (it runs before the memory budget check:
+        sparse fixed at N=65536 would otherwise build a 1e9-element mask)."""
         useful = executed = 0
         b, N = self.block_size, self.seq_len
         for g in self.groups:
-            m = self.element_mask(g, allowed, torch.device("cpu"))
-            i = (g.rows[:, None] * b + torch.arange(b))[:, :, None]
-            useful += int((m & (i < N)).sum())
             executed += g.kv_blocks.numel() * b * b
+            if allowed is None:  # whole blocks: sizes times sizes, a triangle on the causal diagonal
+                size = (N - torch.arange(-(-N // b)) * b).clamp(max=b)  # (nb,) the last block is shorter
+                r, c = size[g.rows][:, None], size[g.kv_blocks]  # (R, 1), (R, K)
+                diagonal = self.causal & (g.kv_blocks == g.rows[:, None])
+                useful += int(torch.where(diagonal, r * (r + 1) // 2, r * c)[g.kv_valid].sum())
+                continue
+            step = max(1, COUNT_CHUNK // (b * b * g.kv_blocks.shape[1]))
+            for lo in range(0, len(g.rows), step):
+                part = Group(g.rows[lo:lo + step], g.kv_blocks[lo:lo + step], g.kv_valid[lo:lo + step])
+                m = self.element_mask(part, allowed, torch.device("cpu"))  # (r, b, K·b)
+                i = (part.rows[:, None] * b + torch.arange(b))[:, :, None]
+                useful += int((m & (i < N)).sum())
         return useful, executed
 
     def num_computed_blocks(self) -> int:
@@ -170,14 +182,14 @@ class MaskedAttention(Attention):
             return self.allowed_pairs(seq_len, causal)
         return self.pair_counts(seq_len, causal)[1]
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
         if self.backend in FUSED_BACKENDS:
             return element_size * B * H * 8 * N * D  # fused kernels: O(N·D), as full's fused backends
         if self.backend == "dense":
-            return super().memory_bytes(B, H, N, D, element_size)
+            return super().memory_bytes(B, H, N, D, element_size, causal)
         # Score tiles (scores, probabilities, their gradient) and the gathered keys and values with
         # their gradients: executed pairs / b keys of D elements per query block row.
-        pairs = self.executed_pairs(N)
+        pairs = self.executed_pairs(N, causal)
         gathered = pairs * D // self.engine_block_size(N)
         return element_size * B * H * (3 * pairs + 4 * gathered + 6 * N * D)
 

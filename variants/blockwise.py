@@ -69,9 +69,9 @@ class Blockwise(MaskedAttention):
         b = self.options.block_size
         return sum((seq_len - (s if causal else 0)) * (min(s + b, seq_len) - s) for s in range(0, seq_len, b))
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
         if self.backend != "online":
-            return super().memory_bytes(B, H, N, D, element_size)
+            return super().memory_bytes(B, H, N, D, element_size, causal)
         # One (N × b) tile for scores, probabilities and their gradients, plus O(N·D) accumulators.
         return element_size * B * H * (4 * N * min(self.options.block_size, N) + 8 * N * D)
 

@@ -25,20 +25,20 @@ AUTO_REPEATS = 5
 
 @dataclass(frozen=True)
 class FullOptions:
-    # math (default: the readable reference) | sdpa | sdpa_flash | sdpa_efficient | sdpa_cudnn | sdpa_math
-    # | xformers | auto
+    # sdpa (default, as in conf/variant/full.yaml) | math (the readable reference) | sdpa_flash
+    # | sdpa_efficient | sdpa_cudnn | sdpa_math | xformers | auto
     backend: str | None = None
 
 
 class Full(Attention):
     name = "full"
     Options = FullOptions
-    # math: the seeds' explicit formula, materialising the N×N scores. sdpa: PyTorch's fused kernel,
-    # whichever one it picks on this device (issue 6 pins kernels on GPU).
+    # sdpa (the default): PyTorch's fused kernel, whichever one it picks on this device. math: the
+    # seeds' explicit formula, materialising the N×N scores (the readable reference).
     # sdpa_<kernel>: SDPA pinned to one kernel (sdpa_math also runs on CPU). xformers:
     # memory_efficient_attention. auto: times the pinned kernels once per (shape, dtype, causal, grad)
     # and runs the fastest; ``last_backend`` says which one ran.
-    backends = {"math": False, "sdpa": False, "sdpa_flash": True, "sdpa_efficient": True, "sdpa_cudnn": True,
+    backends = {"sdpa": False, "math": False, "sdpa_flash": True, "sdpa_efficient": True, "sdpa_cudnn": True,
                 "sdpa_math": False, "xformers": True, "auto": True}
 
     def __init__(self, **options) -> None:
@@ -61,7 +61,7 @@ class Full(Attention):
         # The math path computes every score and masks; fused kernels skip future blocks.
         return seq_len * seq_len if self.backend in ("math", "sdpa_math") else self.allowed_pairs(seq_len, causal)
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
         if self.backend in ("math", "sdpa_math"):
             # Scores, probabilities and their gradient: three N×N matrices at the peak.
             return element_size * B * H * (3 * N * N + 6 * N * D)

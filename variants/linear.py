@@ -23,7 +23,7 @@ SHARING = ("headwise", "kv", "none")
 @dataclass(frozen=True)
 class LinearOptions:
     proj_dim: int = 256  # k, rows of E and F
-    max_seq_len: int = 4096  # n, the longest N accepted (E, F have n columns)
+    max_seq_len: int = 65536  # n, the longest N accepted (E, F have n columns: 2 × 64 MiB at k=256)
     share: str = "headwise"  # headwise: one E, one F | kv: E = F | none: E_h, F_h per head
     num_heads: int | None = None  # needed only by share=none (one E_h, F_h per head)
     seed: int = 0  # initialises E and F reproducibly
@@ -72,7 +72,7 @@ class Linear(Attention):
         total = 8 * B * H * N * self.options.proj_dim * D
         return Flops(executed=total, useful=total)
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
         k = self.options.proj_dim
         return element_size * B * H * (3 * N * k + 4 * k * D + 6 * N * D)
 
