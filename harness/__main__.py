@@ -8,6 +8,7 @@ errors (an unknown config group choice, a key not in the config) are several lin
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,9 +25,30 @@ NO_PRECHECK = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "-
 MULTIRUN = {"--multirun", "-m"}
 
 
-def fail(message: str) -> None:
+def fail(message: str, code: int = 2) -> None:
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
+
+
+def output_dir_problem(path: str | Path) -> str | None:
+    """Why results could not be written under ``path`` (one line), or None. Tried for real: a file is
+    created and removed in the nearest existing ancestor, since permissions alone do not tell (root
+    ignores them; a read-only filesystem refuses everyone)."""
+    import tempfile
+
+    path = Path(path).absolute()
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"cannot write results to {path}: {ancestor} is a file, not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(dir=ancestor, prefix=".harness-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot write results to {path}: {ancestor} is not writable ({e.strerror or e})"
+    return None
 
 
 def split_args(argv: list[str]) -> tuple[list[str], set[str]]:
@@ -48,7 +70,7 @@ def precheck(argv: list[str]) -> str | None:
     all of run()'s validation on it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     from harness.config import ConfigError, one_line, settings_from_config
 
@@ -94,13 +116,23 @@ def precheck(argv: list[str]) -> str | None:
                 return (f"{cls.name}: option {rest!r} is not in conf/variant/{chosen}.yaml; "
                         f"set it with +variant.{rest}=VALUE")
             return f"{cls.name}: unknown option {rest!r}; allowed: {', '.join(fields)}"
-    if flags & MULTIRUN:
-        return None  # sweeps are validated per job, in run()
-
-    job_overrides = [a for a in overrides if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    multirun = bool(flags & MULTIRUN)
+    # One job's config (a sweep's first values are not needed: its directory is all we check of it).
+    single = [a for a, o in zip(overrides, parsed)
+              if not o.is_sweep_override() and not a.lstrip("+~").startswith("hydra/")]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="harness"):
-            cfg = compose(config_name="config", overrides=job_overrides)
+            cfg = compose(config_name="config", overrides=single, return_hydra_config=True)
+        hydra_cfg = cfg.hydra
+        multirun = multirun or "MULTIRUN" in str(hydra_cfg.get("mode"))  # a sweep preset sets the mode itself
+        # Hydra creates the output directory before any of our code runs, with a traceback if it cannot.
+        problem = output_dir_problem(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir)
+        if problem is not None:
+            return problem
+        if multirun:
+            return None  # sweeps are validated per job, in run()
+        with open_dict(cfg):
+            del cfg["hydra"]
         settings_from_config(cfg)  # the workload and measurement options: still no torch import
     except ConfigError as e:
         return str(e)
@@ -120,33 +152,56 @@ def precheck(argv: list[str]) -> str | None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from variants import VariantError
 
     from harness.config import ConfigError, one_line
-    from harness.run import run
+    from harness.results import JobStatus
+    from harness.run import DirectoryInUse, RunFailed, RunInterrupted, run
 
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
     try:
         run(cfg)  # into Hydra's output directory (HydraConfig.get().runtime.output_dir)
-    except (ConfigError, VariantError) as e:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        hc = HydraConfig.get()
-        if hc.mode != RunMode.MULTIRUN:
-            fail(one_line(e))
-        # One job of a sweep that cannot run (linear in a causal sweep): said in one line and in the
-        # job's status.json; the other jobs go on.
-        from harness.run import JobStatus
-
-        JobStatus(Path(hc.runtime.output_dir), None).finish("refused", one_line(e))
+    except RunInterrupted as e:  # the directory's status says interrupted; a sweep stops here too
+        print(f"error: {e.message}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except (ConfigError, VariantError, RunFailed) as e:
+        if not multirun:
+            fail(one_line(e), 1 if isinstance(e, RunFailed) else 2)
+        # One job of a sweep that cannot run (linear in a causal sweep) or could not finish: said in one
+        # line and in the job's status.json (unless another run holds its directory); the others go on.
+        if not isinstance(e, (RunFailed, DirectoryInUse)):
+            try:
+                JobStatus(Path(hc.runtime.output_dir), None).finish("refused", one_line(e))
+            except OSError:
+                pass
         print(f"error: job {hc.job.num} ({hc.job.override_dirname}): {one_line(e)}", file=sys.stderr)
 
 
+def terminate(signum, frame) -> None:
+    """SIGTERM (a scheduler's cancel, ``kill``): end the run as Ctrl-C does, with its own exit code."""
+    from harness.run import Terminated
+
+    raise Terminated()
+
+
 def main() -> None:
-    problem = precheck(sys.argv[1:])
-    if problem is not None:
-        fail(problem)
-    hydra_main()
+    import signal
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        problem = precheck(sys.argv[1:])
+        if problem is not None:
+            fail(problem)
+        hydra_main()
+    except KeyboardInterrupt as e:  # before or between runs (startup, composing): nothing was measured
+        from harness.run import Terminated
+
+        print(f"error: interrupted ({'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}) before a run "
+              f"started; nothing was measured", file=sys.stderr)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,15 @@
 
     python -m harness.compare A B [--threshold 0.10] [--fail-on-regression] [--metric fwd_bwd_ms,peak_mem_bytes]
 
-A and B are run/sweep directories or results .jsonl/.csv files. Points match on (variant, backend,
-options, seq_len, batch_size, num_heads, head_dim, dtype, causal), not on the device, so a CPU run can
-be set against a GPU run (the devices are printed). For each matched point and metric: A, B and B/A.
-A regression is B/A > 1 + threshold for lower-is-better metrics (times, memory, errors), B/A <
+A and B are run/sweep directories or results .jsonl/.csv files. Points match on their identity
+(variant, backend, options, seq_len, shape, dtype, causal, seed, inputs, task), not on the device, so a
+CPU run can be set against a GPU run (the devices are printed). For each matched point and metric: A, B
+and B/A. A regression is B/A > 1 + threshold for lower-is-better metrics (times, memory, errors), B/A <
 1 - threshold for higher-is-better ones (throughput, accuracy, mass kept), or a point ok in A that is
-not ok in B. Exit status: 1 on a regression with --fail-on-regression, else 0; 2 on bad input.
+not ok in B. For a time, the change must also clear the noise: the interquartile intervals of A and B
+(median ± IQR/2) must not overlap, else it is "within noise". A point noisy in A or B (its timings
+cannot be trusted) is not judged on its times: it is listed apart. Exit status: 1 on a regression with
+--fail-on-regression, else 0; 2 on bad input.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 from typing import Any
 
 from harness.collect import InputError, compare_key, environment_fields, load_rows, number, series_key, series_labels
+from harness.results import TIME_METRICS
 
 HIGHER_IS_BETTER = {"tflops_fwd", "out_cos", "mass_kept", "task_accuracy"}
 
@@ -29,9 +33,40 @@ def _fmt(metric: str, v: float | None) -> str:
     return f"{v:.4g}"
 
 
+def _interval(row: dict, metric: str) -> tuple[float, float] | None:
+    """(median − IQR/2, median + IQR/2) of a time metric; None for metrics without a spread."""
+    if not metric.endswith("_ms"):
+        return None
+    median, iqr = number(row.get(metric)), number(row.get(metric.removesuffix("_ms") + "_iqr_ms"))
+    if median is None:
+        return None
+    return median - (iqr or 0.0) / 2, median + (iqr or 0.0) / 2
+
+
+def judge(metric: str, ra: dict, rb: dict, threshold: float) -> tuple[float | None, str]:
+    """(B/A, flag) for one metric of one matched point."""
+    va = number(ra.get(metric)) if ra.get("status") == "ok" else None
+    vb = number(rb.get(metric)) if rb.get("status") == "ok" else None
+    ratio = vb / va if va and vb is not None else None
+    if ra.get("status") == "ok" and rb.get("status") != "ok":
+        return ratio, f"REGRESSION (ok -> {rb.get('status')})"
+    if ratio is None:
+        return ratio, "" if ra.get("status") == rb.get("status") else f"{ra.get('status')} -> {rb.get('status')}"
+    if metric in TIME_METRICS and (ra.get("noisy") or rb.get("noisy")):
+        return ratio, "noisy"
+    worse = ratio < 1 - threshold if metric in HIGHER_IS_BETTER else ratio > 1 + threshold
+    better = ratio > 1 + threshold if metric in HIGHER_IS_BETTER else ratio < 1 - threshold
+    if not (worse or better):
+        return ratio, ""
+    ia, ib = _interval(ra, metric), _interval(rb, metric)
+    if ia is not None and ib is not None and ia[0] <= ib[1] and ib[0] <= ia[1]:
+        return ratio, "within noise"  # the interquartile intervals overlap: not a change we can claim
+    return ratio, "REGRESSION" if worse else "better"
+
+
 def compare(rows_a: list[dict], rows_b: list[dict], metrics: list[str], threshold: float) -> dict[str, Any]:
     """{'table': [[series, N, per metric: A, B, B/A, flag]...], 'regressions': points regressed,
-    'only_a' / 'only_b': unmatched points}."""
+    'noisy': points noisy in A or B, 'only_a' / 'only_b': unmatched points}."""
     a = {compare_key(r): r for r in rows_a}  # last wins if A holds the same point on two devices
     b = {compare_key(r): r for r in rows_b}
     # Label series without the device, so a point of A and its match in B share a label.
@@ -40,25 +75,22 @@ def compare(rows_a: list[dict], rows_b: list[dict], metrics: list[str], threshol
     def label(r: dict) -> str:
         return labels[series_key(r)._replace(device=None)]
 
-    table, regressions = [], 0
+    table, regressions, noisy = [], 0, []
     for key in sorted(a.keys() & b.keys(), key=lambda k: (label(a[k]), a[k]["seq_len"])):
         ra, rb = a[key], b[key]
         row: list[str] = [label(ra), str(ra["seq_len"])]
         for m in metrics:
+            ratio, flag = judge(m, ra, rb, threshold)
             va = number(ra.get(m)) if ra.get("status") == "ok" else None
             vb = number(rb.get(m)) if rb.get("status") == "ok" else None
-            ratio = vb / va if va and vb is not None else None
-            if ra.get("status") == "ok" and rb.get("status") != "ok":
-                flag = f"REGRESSION (ok -> {rb.get('status')})"
-            elif ratio is None:
-                flag = "" if ra.get("status") == rb.get("status") else f"{ra.get('status')} -> {rb.get('status')}"
-            elif m in HIGHER_IS_BETTER:
-                flag = "REGRESSION" if ratio < 1 - threshold else "better" if ratio > 1 + threshold else ""
-            else:
-                flag = "REGRESSION" if ratio > 1 + threshold else "better" if ratio < 1 - threshold else ""
             row += [_fmt(m, va), _fmt(m, vb), "—" if ratio is None else f"{ratio:.3f}", flag]
         regressions += any(c.startswith("REGRESSION") for c in row)  # points, not point x metric
+        if ra.get("noisy") or rb.get("noisy"):
+            which = " and ".join(side for side, r in (("A", ra), ("B", rb)) if r.get("noisy"))
+            noisy.append(f"{label(ra)} N={ra['seq_len']}: noisy in {which} "
+                         f"({(ra if ra.get('noisy') else rb).get('noise_reasons')})")
         table.append(row)
+
     def unmatched(mine: dict, other: dict) -> list[str]:
         """'series N=n1,n2,...' for the points of ``mine`` with no match in ``other``."""
         by_series: dict[str, list[int]] = {}
@@ -67,7 +99,8 @@ def compare(rows_a: list[dict], rows_b: list[dict], metrics: list[str], threshol
                 by_series.setdefault(label(r), []).append(r["seq_len"])
         return [f"{s} N={','.join(map(str, sorted(ns)))}" for s, ns in sorted(by_series.items())]
 
-    return {"table": table, "regressions": regressions, "only_a": unmatched(a, b), "only_b": unmatched(b, a)}
+    return {"table": table, "regressions": regressions, "noisy": noisy, "only_a": unmatched(a, b),
+            "only_b": unmatched(b, a)}
 
 
 def _devices(rows: list[dict]) -> str:
@@ -116,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     for side, name in (("only_a", "A"), ("only_b", "B")):
         if result[side]:
             print(f"\nonly in {name}:\n  " + "\n  ".join(result[side]))
+    if result["noisy"]:
+        print("\nnoisy points, times not judged (rerun them: retry=[noisy]):\n  " + "\n  ".join(result["noisy"]))
     n = result["regressions"]
-    print(f"\n{n} of {len(result['table'])} matched points regressed")
+    print(f"\n{n} of {len(result['table'])} matched points regressed"
+          + (f"; {len(result['noisy'])} noisy, not judged on time" if result["noisy"] else ""))
     return 1 if n and args.fail_on_regression else 0
 
 

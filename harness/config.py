@@ -15,16 +15,24 @@ from omegaconf import DictConfig, OmegaConf
 
 PASSES = ("fwd", "bwd", "fwd_bwd")
 TIMERS = ("blocked", "adaptive")
+ON_NOISE = ("flag", "retry")
+RETRYABLE = ("error", "oom", "skipped", "nonfinite", "noisy")  # what retry=[...] may name
 
 
 @dataclass(frozen=True)
 class MeasureOptions:
     passes: tuple[str, ...] = PASSES  # which of fwd, bwd, fwd_bwd to time
-    warmup_iters: int = 1  # forward+backward calls before anything is measured
+    warmup_iters: int = 1  # forward+backward calls before anything is measured (>= 1)
     min_run_time: float = 0.5  # seconds of measured calls per pass (GPU: do_bench's rep, in s here)
+    min_samples: int = 5  # timed samples per pass at least, for a spread (unless max_run_time passes)
+    max_run_time: float = 60.0  # seconds per pass that taking min_samples may use; fewer samples: noisy
     timer: str = "blocked"  # CPU: blocked (blocked_autorange) | adaptive (adaptive_autorange)
     memory: bool = True  # measure the forward+backward peak memory
     param_grads: bool = False  # also compute gradients of the variant's own parameters (linear's E, F)
+    max_rel_iqr: float = 0.15  # a pass whose IQR / median exceeds this is noisy
+    max_other_cores: float = 0.25  # others' load (cores) above this while timing: noisy
+    on_noise: str = "flag"  # flag: record noisy with its reasons | retry: measure again, keep the quietest
+    max_tries: int = 3  # on_noise=retry: measurements of a noisy point at most
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class Settings:
     task: Mapping[str, Any] | None = None  # MQARConfig fields (seq_len None: each point's N); None: no task
     logger: Any = None  # harness.logger.LoggerConfig
     resume: bool = True
+    retry: tuple[str, ...] = ()  # stored points with these statuses (or noisy) are measured again
 
     @property
     def torch_dtype(self):
@@ -77,7 +86,7 @@ class Settings:
 
 TOP_KEYS = ("variant", "seq_len", "seq_lens", "batch_size", "num_heads", "head_dim", "dtype", "device",
             "causal", "seed", "memory_budget_gb", "output_dir", "measure", "inputs", "fidelity", "task",
-            "logger", "resume")
+            "logger", "resume", "retry")
 MEASURE_KEYS = tuple(f.name for f in dataclasses.fields(MeasureOptions))
 FIDELITY_KEYS = tuple(f.name for f in dataclasses.fields(FidelityOptions))
 
@@ -131,15 +140,25 @@ def _measure(cfg: Mapping[str, Any] | None) -> MeasureOptions:
     bad = [p for p in passes if p not in PASSES]
     if bad:  # [] times nothing: a quality-only sweep (with measure.memory=false)
         raise ConfigError(f"measure.passes must be a list of {', '.join(PASSES)} (or []); got {m.passes!r}")
-    if not _is_int(m.warmup_iters) or m.warmup_iters < 0:
-        raise ConfigError(f"measure.warmup_iters must be an integer >= 0; got {m.warmup_iters!r}")
-    if not _is_number(m.min_run_time) or m.min_run_time <= 0:
-        raise ConfigError(f"measure.min_run_time must be a number of seconds > 0; got {m.min_run_time!r}")
+    if not _is_int(m.warmup_iters) or m.warmup_iters < 1:
+        raise ConfigError(f"measure.warmup_iters must be an integer >= 1 (compilation and autotuning must stay "
+                          f"out of the memory measurement); got {m.warmup_iters!r}")
+    for name in ("min_run_time", "max_run_time", "max_rel_iqr", "max_other_cores"):
+        if not _is_number(getattr(m, name)) or getattr(m, name) <= 0:
+            raise ConfigError(f"measure.{name} must be a number > 0; got {getattr(m, name)!r}")
+    if not _is_int(m.min_samples) or m.min_samples < 2:
+        raise ConfigError(f"measure.min_samples must be an integer >= 2 (a spread needs two); got {m.min_samples!r}")
+    if not _is_int(m.max_tries) or m.max_tries < 1:
+        raise ConfigError(f"measure.max_tries must be an integer >= 1; got {m.max_tries!r}")
     if m.timer not in TIMERS:
         raise ConfigError(f"unknown measure.timer {m.timer!r}; allowed: {', '.join(TIMERS)}")
+    if m.on_noise not in ON_NOISE:
+        raise ConfigError(f"unknown measure.on_noise {m.on_noise!r}; allowed: {', '.join(ON_NOISE)}")
     _bool("measure.memory", m.memory)
     _bool("measure.param_grads", m.param_grads)
-    return dataclasses.replace(m, passes=tuple(p for p in PASSES if p in passes), min_run_time=float(m.min_run_time))
+    return dataclasses.replace(m, passes=tuple(p for p in PASSES if p in passes),
+                               **{k: float(getattr(m, k)) for k in ("min_run_time", "max_run_time", "max_rel_iqr",
+                                                                     "max_other_cores")})
 
 
 def _fidelity(cfg: Mapping[str, Any] | None) -> FidelityOptions:
@@ -228,7 +247,16 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
         task=_task(cfg.get("task")),
         logger=_logger(cfg.get("logger")),
         resume=_bool("resume", cfg.get("resume", True)),
+        retry=_retry(cfg.get("retry")),
     )
+
+
+def _retry(x: Any) -> tuple[str, ...]:
+    values = [x] if isinstance(x, str) else list(x or [])
+    bad = [v for v in values if v not in RETRYABLE]
+    if bad:
+        raise ConfigError(f"retry must be a list of {', '.join(RETRYABLE)} (or []); got {x!r}")
+    return tuple(dict.fromkeys(values))
 
 
 def _choice(name: str, x: Any, allowed: tuple[str, ...]) -> str:

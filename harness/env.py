@@ -73,7 +73,7 @@ def collect(device: torch.device) -> Environment:
     return Environment(
         device_name=torch.cuda.get_device_name(device) if cuda else cpu_name(),
         num_threads=torch.get_num_threads(),
-        torch_version=torch.__version__,
+        torch_version=str(torch.__version__),  # a TorchVersion is not a plain str
         cuda_version=torch.version.cuda,
         cudnn_version=torch.backends.cudnn.version() if cuda else None,
         triton_version=package_version("triton"),
@@ -104,16 +104,26 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def mem_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo: what can be allocated without swapping (None off Linux)."""
+def meminfo_bytes(field: str) -> int | None:
+    """A field of /proc/meminfo in bytes (None off Linux)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024  # the kernel's "kB" is KiB
     except OSError:
         pass
     return None
+
+
+def mem_available_bytes() -> int | None:
+    """MemAvailable: what can be allocated without swapping."""
+    return meminfo_bytes("MemAvailable")
+
+
+def mem_total_bytes() -> int | None:
+    """MemTotal: the machine's physical memory."""
+    return meminfo_bytes("MemTotal")
 
 
 class OtherLoad:

@@ -3,11 +3,14 @@
 The mode is ``logger.mode`` when given, else ``WANDB_MODE``, else online with credentials and offline
 without. Online never hangs the harness: a short init timeout, and on failure one warning line and an
 offline run instead (the local results are written as always). The run is a context manager, so a job
-that raises is closed as failed and the next job in the same process gets a run of its own.
+that raises is closed as failed and the next job in the same process gets a run of its own. One
+output directory is one wandb run: a rerun into it resumes the same run (its id is kept in
+``wandb/harness-run.json``) and logs only the points it measures; synced, each point is uploaded once.
 """
 
 from __future__ import annotations
 
+import json
 import netrc
 import os
 import sys
@@ -70,10 +73,12 @@ def resolve_mode(cfg: LoggerConfig) -> str:
 
 
 class RunLogger:
-    """What the harness logs; a no-op when wandb is disabled."""
+    """What the harness logs; a no-op when wandb is disabled. Every log call names its step explicitly,
+    counted on from the steps the directory's earlier runs logged (``RunState``), so a resumed run
+    continues the same history instead of restarting at step 0 (offline runs cannot ask the server)."""
 
-    def __init__(self, run: Any | None) -> None:
-        self.run = run
+    def __init__(self, run: Any | None, state: "RunState | None" = None) -> None:
+        self.run, self.state = run, state
         if run is not None:
             run.define_metric("seq_len")
             for name in POINT_METRICS:
@@ -85,33 +90,37 @@ class RunLogger:
     def directory(self) -> Path | None:
         return None if self.run is None else Path(self.run.dir).parent
 
-    def log_point(self, row: dict[str, Any]) -> None:
-        """One measured point: every number of the results row (seq_len is the x-axis)."""
+    def _log(self, values: dict[str, Any]) -> None:
+        self.run.log(values, step=self.state.next_step())
+
+    def add(self, row) -> None:
+        """One measured point (a results.Result): every number of its row (seq_len is the x-axis)."""
         if self.run is not None:
-            self.run.log({k: v for k, v in row.items() if _is_number(v)})
+            self._log({k: v for k, v in row.record().items() if _is_number(v)})
 
     def log_task_step(self, seq_len: int, step: int, metrics: dict[str, float]) -> None:
         """One eval of the task trained at ``seq_len``: keys task/N<seq_len>/<metric>, so each length's
         training curve is a line of its own against task/step."""
         if self.run is not None:
-            self.run.log({"task/step": step, **{f"task/N{seq_len}/{k}": v for k, v in metrics.items()}})
+            self._log({"task/step": step, **{f"task/N{seq_len}/{k}": v for k, v in metrics.items()}})
 
     def log_points_table(self, rows: list[dict[str, Any]]) -> None:
-        """A wandb.Table of all points and line plots of time and memory against seq_len."""
+        """A wandb.Table of all the directory's points and line plots of time and memory against seq_len."""
         if self.run is None or not rows:
             return
         import wandb
 
-        columns = list(rows[0])
+        columns = list(dict.fromkeys(c for r in rows for c in r))
         table = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows])
         ok = [r for r in rows if r.get("status") == "ok"]
         plots = {}
-        if ok:
-            for metric, title in (("fwd_bwd_ms", "forward+backward time (ms)"),
-                                  ("peak_mem_bytes", "peak memory, forward+backward (bytes)")):
-                t = wandb.Table(columns=["seq_len", metric], data=[[r["seq_len"], r[metric]] for r in ok])
+        for metric, title in (("fwd_bwd_ms", "forward+backward time (ms)"),
+                              ("peak_mem_bytes", "peak memory, forward+backward (bytes)")):
+            pts = [[r["seq_len"], r[metric]] for r in ok if r.get(metric) is not None]
+            if pts:
+                t = wandb.Table(columns=["seq_len", metric], data=pts)
                 plots[f"plot/{metric}"] = wandb.plot.line(t, "seq_len", metric, title=f"{title} vs seq_len")
-        self.run.log({"points": table, **plots})
+        self._log({"points": table, **plots})
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.run is not None:
@@ -127,6 +136,32 @@ def _cell(v: Any) -> Any:
     return v if v is None or isinstance(v, (int, float, str, bool)) else str(v)
 
 
+class RunState:
+    """``<output dir>/wandb/harness-run.json``: the directory's wandb run id and the next step, so every
+    run into the directory resumes one wandb run (a sync uploads each point once)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / "wandb" / "harness-run.json"
+        try:
+            saved = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            saved = {}
+        self.run_id: str | None = saved.get("id") if isinstance(saved, dict) else None
+        self.step: int = int(saved.get("next_step", 0)) if isinstance(saved, dict) else 0
+
+    def save(self, run_id: str) -> None:
+        from .results import write_json
+
+        self.run_id = run_id
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, {"id": run_id, "next_step": self.step})
+
+    def next_step(self) -> int:
+        step, self.step = self.step, self.step + 1
+        self.save(self.run_id)  # before the log call: a crash leaves a gap, never a repeated step
+        return step
+
+
 @contextmanager
 def wandb_run(cfg: LoggerConfig, directory: Path, config: dict[str, Any], *, name: str | None = None,
               group: str | None = None, tags: list[str] | None = None) -> Iterator[RunLogger]:
@@ -137,8 +172,9 @@ def wandb_run(cfg: LoggerConfig, directory: Path, config: dict[str, Any], *, nam
     import wandb
 
     directory.mkdir(parents=True, exist_ok=True)
-    kwargs = dict(dir=str(directory), project=cfg.project, entity=cfg.entity, config=config, name=name,
-                  group=group, tags=tags, reinit="create_new")
+    state = RunState(directory)
+    kwargs = dict(dir=str(directory), project=cfg.project, entity=cfg.entity, name=name, group=group, tags=tags,
+                  reinit="create_new", id=state.run_id, resume="allow" if state.run_id else None)
     try:
         run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=cfg.init_timeout_s, silent=True),
                          **kwargs)
@@ -150,4 +186,7 @@ def wandb_run(cfg: LoggerConfig, directory: Path, config: dict[str, Any], *, nam
               file=sys.stderr)
         run = wandb.init(mode="offline", settings=wandb.Settings(silent=True), **kwargs)
     with run:
-        yield RunLogger(run)
+        state.save(run.id)
+        # A resumed run's config is replaced, not merged with a conflict: the rerun may add lengths.
+        run.config.update(config, allow_val_change=True)
+        yield RunLogger(run, state)

@@ -1,6 +1,6 @@
 """The one measurement core: every variant and backend is timed and measured by the same code.
 
-Per point (see ../shared/docs/measurement.md):
+Per point:
 1. Fresh seeded ``randn`` inputs q, k, v (requiring grad) and an output gradient, never zeros.
 2. Warm-up: ``warmup_iters`` forward+backward calls, timed as a whole (``warmup_s``), so module load,
    plan building, autotuning and compilation stay out of the timed region.
@@ -11,7 +11,10 @@ Per point (see ../shared/docs/measurement.md):
    reset in every call) and forward+backward. CPU: ``torch.utils.benchmark.Timer`` on all of torch's
    threads with ``blocked_autorange`` (or ``adaptive_autorange``); GPU: ``triton.testing.do_bench``
    (CUDA events, L2 flushed between calls) when triton imports, else the same Timer, which
-   synchronises CUDA. Median and interquartile range of the per-call times.
+   synchronises CUDA. Median and interquartile range of the per-call times, over at least
+   ``min_samples`` samples (blocks of calls) unless that would pass ``max_run_time``.
+5. Noise: ``noise_reasons`` says why a point's timings cannot be trusted (spread, too few samples,
+   others' load, forward slower than forward+backward); the run flags or re-measures it (``on_noise``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Callable
 # starts, so setting it here, before any measurement, is enough; an explicit setting is kept.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils import benchmark  # noqa: E402
 
@@ -37,7 +41,7 @@ from .memory import peak_memory  # noqa: E402
 class Timing:
     median_ms: float
     iqr_ms: float | None  # None when fewer than two samples were taken (no spread to report)
-    samples: int | None  # timed samples (blocks of calls); None where do_bench does not say
+    samples: int | None  # timed samples (blocks of calls); None where the timer does not say
 
 
 def triton_available() -> bool:
@@ -50,21 +54,59 @@ def timer_name(device: torch.device, opts: MeasureOptions) -> str:
     return f"torch.utils.benchmark.{opts.timer}_autorange"
 
 
+def _stats(times_ms: list[float]) -> Timing:
+    q25, q50, q75 = np.quantile(np.asarray(times_ms, dtype=float), [0.25, 0.5, 0.75])
+    return Timing(float(q50), float(q75 - q25) if len(times_ms) > 1 else None, len(times_ms))
+
+
 def time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOptions) -> Timing:
-    """Median and IQR of one call of ``fn`` in milliseconds."""
+    """Median and IQR of one call of ``fn`` in milliseconds, over at least ``opts.min_samples`` samples
+    unless taking them would pass ``opts.max_run_time`` (then fewer, and the point says so as noisy)."""
     if device.type == "cuda" and triton_available():
         from triton.testing import do_bench
 
-        q25, q50, q75 = do_bench(fn, rep=max(1.0, opts.min_run_time * 1e3), quantiles=[0.25, 0.5, 0.75],
-                                 return_mode="median")
-        return Timing(q50, q75 - q25, None)
+        rep = max(1.0, opts.min_run_time * 1e3)
+        try:
+            return _stats(list(do_bench(fn, rep=rep, return_mode="all")))  # every call, in ms
+        except (TypeError, ValueError):  # a triton without return_mode="all"
+            q25, q50, q75 = do_bench(fn, rep=rep, quantiles=[0.25, 0.5, 0.75], return_mode="median")
+            return Timing(q50, q75 - q25, None)
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     if opts.timer == "adaptive":
         m = timer.adaptive_autorange(min_run_time=opts.min_run_time, max_run_time=10 * opts.min_run_time)
     else:
         m = timer.blocked_autorange(min_run_time=opts.min_run_time)
-    samples = len(m.times)
-    return Timing(m.median * 1e3, m.iqr * 1e3 if samples > 1 else None, samples)
+    per_call = list(m.times)  # seconds per call, one sample per block of m.number_per_run calls
+    spent = sum(m.raw_times)
+    block = spent / len(m.raw_times)
+    while len(per_call) < opts.min_samples and spent + block <= opts.max_run_time:
+        extra = timer.timeit(m.number_per_run)  # one more block of the same size
+        per_call += extra.times
+        spent += sum(extra.raw_times)
+    return _stats([t * 1e3 for t in per_call])
+
+
+def noise_reasons(record: dict, opts: MeasureOptions) -> list[str]:
+    """Why the point's timings cannot be trusted as they are: too few samples for a spread, a spread
+    over ``max_rel_iqr`` of the median, other processes' load over ``max_other_cores``, a forward slower
+    than forward+backward (only possible when the machine changed under the measurement)."""
+    reasons = []
+    for name in opts.passes:
+        median, iqr, n = record.get(f"{name}_ms"), record.get(f"{name}_iqr_ms"), record.get(f"{name}_samples")
+        if median is None:
+            continue
+        if n is not None and n < opts.min_samples:
+            reasons.append(f"{name}: {n} sample{'s' if n != 1 else ''} < measure.min_samples={opts.min_samples} "
+                           f"(one call {median / 1e3:.3g} s; measure.max_run_time={opts.max_run_time:g} s)")
+        elif iqr is not None and median > 0 and iqr / median > opts.max_rel_iqr:
+            reasons.append(f"{name}: IQR {iqr / median:.0%} of the median > measure.max_rel_iqr={opts.max_rel_iqr:g}")
+    fwd, fwd_bwd = record.get("fwd_ms"), record.get("fwd_bwd_ms")
+    if fwd is not None and fwd_bwd is not None and fwd > fwd_bwd:
+        reasons.append(f"forward {fwd:.4g} ms slower than forward+backward {fwd_bwd:.4g} ms")
+    others = record.get("other_cpu_cores")
+    if others is not None and others > opts.max_other_cores:
+        reasons.append(f"other processes kept {others:.2f} cores busy > measure.max_other_cores={opts.max_other_cores:g}")
+    return reasons
 
 
 def synchronize(device: torch.device) -> None:
@@ -76,9 +118,9 @@ def measure_point(attn: torch.nn.Module, *, batch_size: int, num_heads: int, seq
                   dtype: torch.dtype, device: torch.device, causal: bool, seed: int, opts: MeasureOptions,
                   record: dict, on_phase: Callable[[str], None] = lambda phase: None) -> None:
     """Measures one point into ``record`` (fields of harness.results.Result), filled as each measurement
-    finishes so that what was measured before a failure (an OOM in the backward) is kept."""
-    if not opts.passes and not opts.memory:
-        return  # a quality-only point: nothing to time or measure
+    finishes so that what was measured before a failure (an OOM in the backward) is kept. The output and
+    the input gradients of the last warm-up call are checked once: NaN or Inf makes the point
+    ``nonfinite`` (with the tensors named) and nothing is timed."""
     shape = (batch_size, num_heads, seq_len, head_dim)  # (B, H, N, D)
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v, dout = (torch.randn(shape, generator=gen, dtype=dtype, device=device) for _ in range(4))
@@ -93,16 +135,29 @@ def measure_point(attn: torch.nn.Module, *, batch_size: int, num_heads: int, seq
     def forward() -> torch.Tensor:
         return attn(q, k, v, causal=causal)
 
-    def fwd_bwd() -> None:
+    def fwd_bwd() -> torch.Tensor:
         reset_grads()
-        forward().backward(dout)
+        out = forward()
+        out.backward(dout)
+        return out
 
     on_phase("warm-up")
     start = time.perf_counter()
-    for _ in range(opts.warmup_iters):
-        fwd_bwd()
+    for _ in range(max(1, opts.warmup_iters)):  # a quality-only point still makes one checked call
+        out = fwd_bwd()
     synchronize(device)
     record["warmup_s"] = time.perf_counter() - start
+    bad = [name for name, t in (("output", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))
+           if t is not None and not bool(torch.isfinite(t).all())]
+    del out
+    if bad:
+        record.update(status="nonfinite", reason=f"non-finite values (NaN or Inf) in {', '.join(bad)} in "
+                                                 f"{str(dtype).removeprefix('torch.')}")
+        reset_grads()
+        return
+    if not opts.passes and not opts.memory:
+        reset_grads()
+        return  # a quality-only point: nothing to time or measure
 
     if opts.memory:
         on_phase("memory")

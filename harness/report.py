@@ -10,6 +10,10 @@ name (mode: WANDB_MODE, else online with credentials, offline without).
 Comparisons with full: within one (causal, dtype, device, shape) group, each non-full series against
 the *best* full backend at each N (fastest for time, smallest for memory), so a variant is credited
 only for beating the strongest exact baseline measured.
+
+Noisy points (their timings cannot be trusted: harness.measure.noise_reasons) are drawn hollow, left
+out of the fitted exponents and of the crossover, and listed in their own table. Time plots carry
+error bars of the interquartile range (median ± IQR/2). Each series keeps one colour in every figure.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.collect import (FULL, STATUSES, InputError, Series, columns, environment_fields, group_series,
-                             load_rows, ok_value, series_labels, write_csv)
-from harness.results import loglog_slope
+                             load_rows, ok_value, series_labels)
+from harness.results import TIME_METRICS, atomic_write, loglog_slope, write_csv
 
 Rows = list[dict[str, Any]]
 MIB = 2.0 ** 20
@@ -56,21 +60,31 @@ def fit_exponent(ns: list[float], ys: list[float]) -> float | None:
     return loglog_slope([n for n, _ in pts], [y for _, y in pts])
 
 
+def trusted(row: dict[str, Any], metric: str) -> float | None:
+    """The row's ok value of ``metric``, or None where it is missing or a noisy point's timing."""
+    if metric in TIME_METRICS and row.get("noisy"):
+        return None
+    return ok_value(row, metric)
+
+
 def series_exponent(rows: Rows, metric: str) -> float | None:
-    ok = [(r["seq_len"], ok_value(r, metric)) for r in rows if ok_value(r, metric) is not None]
+    """The fitted exponent over the trusted points (noisy timings left out)."""
+    ok = [(r["seq_len"], trusted(r, metric)) for r in rows if trusted(r, metric) is not None]
     return fit_exponent([n for n, _ in ok], [y for _, y in ok])
 
 
 def reference(full_series: list[Rows], metric: str) -> dict[int, float | None]:
-    """N -> the best (smallest) ok value of ``metric`` over the full backends; None where full was
-    measured at N but no backend was ok (oom/skipped/error)."""
+    """N -> the best (smallest) trusted value of ``metric`` over the full backends; None where full
+    failed at N (no backend ok: oom/skipped/error/nonfinite). An N where full ran but this metric was
+    not measured (a pass left out) or is noisy is absent: nothing is known there."""
     ref: dict[int, float | None] = {}
     for rows in full_series:
         for r in rows:
-            v, n = ok_value(r, metric), r["seq_len"]
-            if v is not None and (ref.get(n) is None or v < ref[n]):
-                ref[n] = v
-            else:
+            v, n = trusted(r, metric), r["seq_len"]
+            if v is not None:
+                if ref.get(n) is None or v < ref[n]:
+                    ref[n] = v
+            elif r.get("status") != "ok":
                 ref.setdefault(n, None)
     return ref
 
@@ -79,12 +93,13 @@ def crossover(rows: Rows, ref: dict[int, float | None], metric: str) -> tuple[in
     """First N from which the series stays faster than full, over the N both measured.
 
     Faster at N: the series is ok and full is slower or failed there. A series point that ran out of
-    memory counts as not faster; one skipped or in error is left out (it says nothing about speed).
+    memory counts as not faster; one skipped, in error or noisy is left out (it says nothing about speed).
     Returns (N, faster at every compared N), or (None, False) when not faster at the largest compared N.
     """
-    faster = [(r["seq_len"], ok_value(r, metric) is not None
-               and (ref[r["seq_len"]] is None or ok_value(r, metric) < ref[r["seq_len"]]))
-              for r in rows if r["seq_len"] in ref and r.get("status") in ("ok", "oom")]
+    faster = [(r["seq_len"], trusted(r, metric) is not None
+               and (ref[r["seq_len"]] is None or trusted(r, metric) < ref[r["seq_len"]]))
+              for r in rows if r["seq_len"] in ref
+              and (r.get("status") == "oom" or trusted(r, metric) is not None)]
     first = None
     for n, f in faster:
         first = (first if first is not None else n) if f else None
@@ -113,6 +128,14 @@ def _ref_key(s: Series) -> tuple:
 
 
 # ----- plots ---------------------------------------------------------------------------------------
+
+def series_colours(labels: dict[Series, str]) -> dict[Series, Any]:
+    """One colour per series, the same in every figure (assigned in label order)."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10" if len(labels) <= 10 else "tab20"].colors
+    return {s: palette[i % len(palette)] for i, s in enumerate(sorted(labels, key=labels.get))}
+
 
 def _axes(title: str, ylabel: str, ns: list[int]):
     import matplotlib.pyplot as plt
@@ -155,27 +178,47 @@ def _mark_failures(ax, rows: Rows, color, index: int) -> None:
                         xytext=(4, -4 - 7 * index), fontsize=6, color=color)
 
 
-def scaling_plot(groups: dict[Series, Rows], labels: dict[Series, str], metric: str, title: str,
-                 unit: str, scale: float, path: Path) -> Path:
+def _line(ax, pts: list[tuple[int, float, bool]], color, label: str, errs: list[float] | None = None) -> None:
+    """A series: a line through its points, filled markers where trusted, hollow where noisy, and IQR
+    error bars (``errs``: half the IQR per point) where given."""
+    xs, ys = [n for n, _, _ in pts], [v for _, v, _ in pts]
+    ax.plot(xs, ys, "-", color=color, label=label, lw=1.2)
+    if errs is not None:
+        ax.errorbar(xs, ys, yerr=errs, fmt="none", ecolor=color, elinewidth=0.8, capsize=2)
+    for filled in (True, False):
+        sel = [(n, v) for n, v, noisy in pts if noisy != filled]
+        if sel:
+            ax.plot([n for n, _ in sel], [v for _, v in sel], "o", markersize=4, color=color,
+                    markerfacecolor=color if filled else "white", markeredgewidth=1.2)
+
+
+def scaling_plot(groups: dict[Series, Rows], labels: dict[Series, str], colours: dict[Series, Any], metric: str,
+                 title: str, unit: str, scale: float, path: Path) -> Path:
     ns = sorted({r["seq_len"] for rows in groups.values() for r in rows})
-    fig, ax = _axes(f"{title} vs N (log-log; x at top: not ok at that N)", unit, ns)
+    timing = metric in TIME_METRICS
+    fig, ax = _axes(f"{title} vs N (log-log; x at top: not ok at that N"
+                    + ("; hollow: noisy; bars: median ± IQR/2)" if timing else ")"), unit, ns)
     any_ok = False
     for i, (s, rows) in enumerate(sorted(groups.items(), key=lambda kv: labels[kv[0]])):
-        ok = [(r["seq_len"], ok_value(r, metric)) for r in rows if ok_value(r, metric) is not None]
+        ok = [r for r in rows if ok_value(r, metric) is not None]
         slope = series_exponent(rows, metric)
         label = labels[s] + (f"  ($\\propto N^{{{slope:.2f}}}$)" if slope is not None else "")
-        (line,) = ax.plot([n for n, _ in ok], [v / scale for _, v in ok], "o-", label=label, markersize=3)
+        pts = [(r["seq_len"], ok_value(r, metric) / scale, bool(r.get("noisy")) and timing) for r in ok]
+        iqr = metric.removesuffix("_ms") + "_iqr_ms"
+        errs = [(r.get(iqr) or 0.0) / 2 / scale for r in ok] if timing else None
+        _line(ax, pts, colours[s], label, errs)
         any_ok |= bool(ok)
-        _mark_failures(ax, rows, line.get_color(), i)
+        _mark_failures(ax, rows, colours[s], i)
     if any_ok:
         ax.set_yscale("log")
         _headroom(ax)
     return _save(fig, path)
 
 
-def ratio_plot(groups: dict[Series, Rows], labels: dict[Series, str], metric: str, speedup: bool,
-               title: str, path: Path) -> Path:
-    """speedup: full/series time (> 1: the variant is faster); else series/full memory (< 1: smaller)."""
+def ratio_plot(groups: dict[Series, Rows], labels: dict[Series, str], colours: dict[Series, Any], metric: str,
+               speedup: bool, title: str, path: Path) -> Path:
+    """speedup: full/series time (> 1: the variant is faster); else series/full memory (< 1: smaller).
+    Noisy times on either side leave the ratio out."""
     refs = reference_groups(groups)
     ns = sorted({r["seq_len"] for rows in groups.values() for r in rows})
     backends = sorted({str(s.backend) for ss in refs.values() for s in ss})
@@ -191,28 +234,28 @@ def ratio_plot(groups: dict[Series, Rows], labels: dict[Series, str], metric: st
         ref = reference([groups[f] for f in refs[_ref_key(s)]], metric)
         pts, full_failed = [], []
         for r in rows:
-            v, n = ok_value(r, metric), r["seq_len"]
+            v, n = trusted(r, metric), r["seq_len"]
             if v is not None and n in ref:
                 if ref[n] is None:
                     full_failed.append(n)
                 elif v > 0:
-                    pts.append((n, ref[n] / v if speedup else v / ref[n]))
-        (line,) = ax.plot([n for n, _ in pts], [x for _, x in pts], "o-", markersize=3, label=labels[s])
+                    pts.append((n, ref[n] / v if speedup else v / ref[n], False))
+        _line(ax, pts, colours[s], labels[s])
         if full_failed:
-            ax.plot(full_failed, [0.97] * len(full_failed), "^", color=line.get_color(), transform=top)
+            ax.plot(full_failed, [0.97] * len(full_failed), "^", color=colours[s], transform=top)
     ax.set_yscale("log")
     _headroom(ax)
     return _save(fig, path)
 
 
-def value_plot(groups: dict[Series, Rows], labels: dict[Series, str], metric: str, title: str, logy: bool,
-               path: Path) -> Path:
+def value_plot(groups: dict[Series, Rows], labels: dict[Series, str], colours: dict[Series, Any], metric: str,
+               title: str, logy: bool, path: Path) -> Path:
     ns = sorted({r["seq_len"] for rows in groups.values() for r in rows})
     fig, ax = _axes(f"{title} vs N", metric, ns)
     for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]):
-        pts = [(r["seq_len"], ok_value(r, metric)) for r in rows if ok_value(r, metric) is not None]
+        pts = [(r["seq_len"], ok_value(r, metric), False) for r in rows if ok_value(r, metric) is not None]
         if pts:
-            ax.plot([n for n, _ in pts], [v for _, v in pts], "o-", markersize=3, label=labels[s])
+            _line(ax, pts, colours[s], labels[s])
     if logy and any(v > 0 for line in ax.get_lines() for v in line.get_ydata()):
         ax.set_yscale("log")
     return _save(fig, path)
@@ -230,15 +273,39 @@ def _fmt(v: Any) -> str:
 
 def series_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
     head = ["series", "variant", "backend", "options", "causal", "dtype", "device", "B,H,D",
-            *STATUSES, "exp. fwd", "exp. bwd", "exp. mem"]
+            *STATUSES, "noisy", "exp. fwd", "exp. bwd", "exp. mem"]
     body = []
     for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]):
         counts = [sum(r.get("status") == st for r in rows) for st in STATUSES]
         exps = [series_exponent(rows, m) for m in ("fwd_ms", "bwd_ms", "peak_mem_bytes")]
         body.append([labels[s], s.variant, s.backend, ", ".join(f"{k}={v}" for k, v in s.opts), s.causal,
-                     s.dtype, s.device, ",".join(map(str, s.shape)), *counts,
+                     s.dtype, s.device, ",".join(map(str, s.shape)), *counts, sum(bool(r.get("noisy")) for r in rows),
                      *[None if e is None else f"{e:.2f}" for e in exps]])
     return head, body
+
+
+def noisy_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
+    body = [[labels[s], r["seq_len"], r.get("tries"), r.get("other_cpu_cores"), r.get("noise_reasons")]
+            for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]) for r in rows if r.get("noisy")]
+    return ["series", "N", "tries", "others' cores", "why its timings cannot be trusted"], body
+
+
+POINT_COLUMNS = (("N", "seq_len"), ("status", "status"), ("fwd ms", "fwd_ms"), ("fwd IQR", "fwd_iqr_ms"),
+                 ("bwd ms", "bwd_ms"), ("bwd IQR", "bwd_iqr_ms"), ("fwd+bwd ms", "fwd_bwd_ms"),
+                 ("fwd+bwd IQR", "fwd_bwd_iqr_ms"), ("peak MiB", "peak_mem_bytes"), ("TFLOP/s fwd", "tflops_fwd"),
+                 ("out rel err", "out_rel_err"), ("mass kept", "mass_kept"), ("task acc", "task_accuracy"),
+                 ("others' cores", "other_cpu_cores"), ("noisy", "noisy"))
+
+
+def points_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
+    """Every point's numbers, series by series (the report's CSV has every field)."""
+    def value(r: dict[str, Any], field: str) -> Any:
+        v = r.get(field)
+        return v / MIB if field == "peak_mem_bytes" and v is not None else v
+
+    body = [[labels[s], *(value(r, f) for _, f in POINT_COLUMNS)]
+            for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]) for r in rows]
+    return ["series", *(h for h, _ in POINT_COLUMNS)], body
 
 
 def crossover_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
@@ -307,14 +374,21 @@ def write_html(path: Path, sweep: Path, rows: Rows, tables: dict[str, tuple], im
         "next to this file. Speed-up and memory ratios compare each variant with the best full backend "
         "measured at each N with the same causal flag, dtype, device and shape.</p>",
     ]
-    for title, head, body in tables.values():
+    def table(key: str) -> None:
+        title, head, body = tables[key]
         if body:
             parts.append(f"<h2>{html.escape(title)}</h2>{_html_table(head, body)}")
+
+    for key in tables:
+        if key != "points":
+            table(key)
     for name, img in images.items():
         data = base64.b64encode(img.read_bytes()).decode()
         parts.append(f"<h2>{html.escape(name)}</h2><img alt='{html.escape(name)}' src='data:image/png;base64,{data}'>")
+    if "points" in tables:  # the numbers behind every figure, last
+        table("points")
     parts.append("</body></html>")
-    path.write_text("\n".join(parts))
+    atomic_write(path, "\n".join(parts))
 
 
 def log_wandb(out: Path, sweep: Path, images: dict[str, Path], rows: Rows, tables: dict[str, tuple]) -> None:
@@ -347,8 +421,9 @@ def make_report(sweep: Path, out: Path) -> tuple[Rows, dict[str, tuple], dict[st
     out.mkdir(parents=True, exist_ok=True)
     groups = group_series(rows)
     labels = series_labels(groups)
+    colours = series_colours(labels)
     rows = [r for s in sorted(groups, key=labels.get) for r in groups[s]]  # readable order in the CSV
-    write_csv(rows, out / "results.csv")
+    write_csv(out / "results.csv", rows, columns(rows))
 
     def has(metric: str, variants: str = "any") -> bool:  # any ok value to draw (of a non-full series)?
         return any(ok_value(r, metric) is not None for r in rows if variants == "any" or r["variant"] != FULL)
@@ -356,26 +431,30 @@ def make_report(sweep: Path, out: Path) -> tuple[Rows, dict[str, tuple], dict[st
     images: dict[str, Path] = {}  # title -> PNG
     for metric, title, unit, scale in SCALING_PLOTS:
         if has(metric):
-            images[title] = scaling_plot(groups, labels, metric, title, unit, scale, out / f"{metric}.png")
+            images[title] = scaling_plot(groups, labels, colours, metric, title, unit, scale, out / f"{metric}.png")
     if reference_groups(groups):
         for metric, name in SPEEDUP_METRICS:
             if has(metric, "non-full"):
-                images[f"Speed-up, {name}"] = ratio_plot(groups, labels, metric, True, f"Speed-up ({name})",
+                images[f"Speed-up, {name}"] = ratio_plot(groups, labels, colours, metric, True, f"Speed-up ({name})",
                                                          out / f"speedup_{metric}.png")
         if has("peak_mem_bytes", "non-full"):
-            images["Memory ratio"] = ratio_plot(groups, labels, "peak_mem_bytes", False, "Peak memory ratio",
+            images["Memory ratio"] = ratio_plot(groups, labels, colours, "peak_mem_bytes", False, "Peak memory ratio",
                                                 out / "mem_ratio.png")
     for metric, title, logy in FIDELITY_PLOTS:
         if has(metric):
-            images[title] = value_plot(groups, labels, metric, title, logy, out / f"{metric}.png")
+            images[title] = value_plot(groups, labels, colours, metric, title, logy, out / f"{metric}.png")
 
     tables = {  # key (wandb name) -> (title, header, rows)
         "environment": ("Environment", *environment_table(rows)),
-        "series": ("Series (exp.: fitted log-log exponent, y ∝ N^exp over ok points)", *series_table(groups, labels)),
+        "series": ("Series (exp.: fitted log-log exponent, y ∝ N^exp over ok points; noisy timings left out)",
+                   *series_table(groups, labels)),
         "crossover": ("Crossover: first N from which the variant stays faster than full",
                       *crossover_table(groups, labels)),
         "max_fit": ("Largest N that fits in memory", *fitting_table(groups, labels)),
         "not_ok": ("Points not ok", *failures_table(groups, labels)),
+        "noisy": ("Noisy points (drawn hollow, left out of fits and crossovers)", *noisy_table(groups, labels)),
+        "points": ("Every point (median and IQR in ms; peak memory over the inputs, MiB)",
+                   *points_table(groups, labels)),
     }
     write_html(out / "report.html", sweep, rows, tables, images)
     return rows, tables, images

@@ -1,25 +1,47 @@
-"""Result rows, the files they go to, and the log-log fit of time and memory against N.
+"""The results store: result rows, their one schema and identity, and every read and write of them.
 
-One frozen ``Result`` per (variant, N) point, units in the field names, flat (the variant's options as
-``opt_<name>`` columns), so the same record feeds the console table, ``results.jsonl`` (appended and
-flushed as each point finishes), ``results.csv`` (rewritten from all rows after each point) and plots.
+One frozen ``Result`` per point (one variant configuration at one N), units in the field names, flat
+(the variant's options as ``opt_<name>`` columns), so the same record feeds the console, wandb,
+``results.jsonl``, ``results.csv`` and the plots. This module is the only place that reads or writes
+result files, and the only definition of what makes two rows the same point (``point_key``).
+
+What the store guarantees (the README's "Reliability" section lists the faults tried):
+- ``results.jsonl`` is append-only: a finished point is appended and flushed to disk before the next
+  one starts; rows are never rewritten or deleted. A point measured again (``retry``) appends a new row
+  that supersedes the earlier one; both stay in the file, the point counts once (the last row).
+- Every line is validated against one schema when read (``row_problem``). A line that fails (cut by a
+  kill, joined with the next, garbage, a row without ``status`` or with a string ``seq_len``) is moved
+  verbatim to ``results.jsonl.damaged-<time>`` with one warning naming its line numbers, and its point
+  is measured again; a whole row found inside a damaged line (a cut line joined to the next) is kept.
+- One writer per output directory: an exclusive lock (``harness.lock``) held for the whole run; a second
+  run refuses in one line naming the holder; a lock left by a process that is gone is taken over.
+- Every other file (``results.csv``, ``status.json``, ``env.json``, ``fit.json``) is written whole or not
+  at all: a temporary file in the same directory, fsynced, renamed over the old one.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import errno
+import fcntl
+import io
 import json
 import math
 import os
+import re
+import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-STATUSES = ("ok", "oom", "skipped", "error")
+STATUSES = ("ok", "oom", "skipped", "error", "nonfinite")
+JOB_STATES = ("running", "completed", "failed", "refused", "interrupted")
+OPT_PREFIX = "opt_"
 
 
 @dataclass(frozen=True)
@@ -36,7 +58,7 @@ class Result:
     device: str
     causal: bool
     seed: int
-    status: str  # ok | oom | skipped | error
+    status: str  # ok | oom | skipped | error | nonfinite
     reason: str | None  # why a point is not ok (one line)
     # Time: medians and interquartile ranges of one call, and how many samples they come from
     fwd_ms: float | None
@@ -49,7 +71,12 @@ class Result:
     fwd_bwd_iqr_ms: float | None
     fwd_bwd_samples: int | None
     warmup_s: float | None
-    timer: str
+    timer: str | None
+    # Whether the timings can be trusted: noisy with its reasons (spread, others' load, forward slower
+    # than forward+backward, too few samples), and how many times the point was measured (on_noise=retry)
+    noisy: bool | None
+    noise_reasons: str | None
+    tries: int | None
     # Memory of forward+backward: measured (extra over the inputs; GPU also absolute and reserved) and
     # the variant's analytic estimate of the same extra
     peak_mem_bytes: int | None
@@ -84,35 +111,46 @@ class Result:
     task_train_s: float | None
     quality_reason: str | None  # why fidelity or task numbers are missing at an ok point (one line)
     # Environment
-    device_name: str
-    num_threads: int
-    torch_version: str
+    device_name: str | None
+    num_threads: int | None
+    torch_version: str | None
     cuda_version: str | None
     cudnn_version: int | None
     triton_version: str | None
     xformers_version: str | None
-    hostname: str
-    other_cpu_cores: float | None  # cores busy with other processes while this point ran (shared machines)
-    date: str  # UTC, ISO 8601, when the point finished
+    hostname: str | None
+    other_cpu_cores: float | None  # cores busy with other processes while this point was timed
+    date: str | None  # UTC, ISO 8601, when the point finished
     # The variant's options as built (defaults included): ((name, value), ...), written as opt_<name>
     options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_record(cls, rec: dict[str, Any]) -> "Result":
         """The inverse of ``record``: a row read back from results.jsonl (missing fields become None)."""
-        options = tuple((k[len("opt_"):], v) for k, v in rec.items() if k.startswith("opt_"))
+        options = tuple((k[len(OPT_PREFIX):], v) for k, v in rec.items() if k.startswith(OPT_PREFIX))
         return cls(**{name: rec.get(name) for name in FIELDS}, options=options)
 
     def record(self) -> dict[str, Any]:
-        """The flat form written to JSONL and CSV."""
-        row = {f.name: _finite(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "options"}
-        row.update({f"opt_{name}": value for name, value in self.options})
+        """The flat form written to JSONL and CSV: plain JSON values only."""
+        row = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "options"}
+        row.update({f"{OPT_PREFIX}{name}": _plain(value) for name, value in self.options})
         return row
 
 
-def _finite(x: Any) -> Any:
-    """NaN and infinities are not JSON: a non-finite number is written as null (never a crash)."""
-    return None if isinstance(x, float) and not math.isfinite(x) else x
+def _plain(x: Any) -> Any:
+    """A plain JSON value: NaN and infinities become null (not JSON), and subclasses of str/int/float
+    (torch's TorchVersion is a str) their base type, so a row read back equals the row written and
+    wandb's tables see one type per column."""
+    if isinstance(x, bool) or x is None:
+        return x
+    if isinstance(x, float):
+        return float(x) if math.isfinite(x) else None
+    for base in (str, int):
+        if isinstance(x, base):
+            return base(x)
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Result) if f.name != "options")
@@ -125,86 +163,515 @@ def tflops(flops: int | None, ms: float | None) -> float | None:
     return flops / (ms * 1e-3) / 1e12
 
 
-class ResultWriter:
-    """Writes ``results.jsonl`` (one object per point, flushed at once) and ``results.csv``.
+# ----- the one schema and the one identity ---------------------------------------------------------
 
-    ``resume=True`` keeps the rows already in ``results.jsonl`` (``rows`` starts with them) and appends:
-    a line cut short by a kill mid-write is dropped first, so the file stays one whole object per line.
-    ``resume=False`` moves an existing file aside (``results.jsonl.replaced-<time>``): never deleted."""
+# What says which measurement a row is. Two rows with equal keys are the same point: a rerun skips it,
+# the report draws them as one point. Seed, inputs and task are part of it, so a seed sweep is several
+# series, never one whose last seed wins.
+IDENTITY_FIELDS = ("variant", "backend", "seq_len", "batch_size", "num_heads", "head_dim", "dtype", "device",
+                   "causal", "seed", "inputs", "task")
+REQUIRED = tuple(f for f in IDENTITY_FIELDS if f not in ("inputs", "task")) + ("status",)
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
 
-    def __init__(self, output_dir: Path, resume: bool = False) -> None:
+
+def _schema() -> dict[str, tuple[tuple[type, ...], bool]]:
+    """field -> (accepted types, may be null), read from Result's annotations: one definition."""
+    schema = {}
+    for f in dataclasses.fields(Result):
+        if f.name == "options":
+            continue
+        names = [t.strip() for t in str(f.type).split("|")]
+        schema[f.name] = (tuple(t for n in names if n != "None" for t in _TYPES[n]), "None" in names)
+    return schema
+
+
+SCHEMA = _schema()
+
+
+def row_problem(row: Any) -> str | None:
+    """Why ``row`` is not a result row (one short phrase), or None when it is one."""
+    if not isinstance(row, dict):
+        return f"not a JSON object but {type(row).__name__}"
+    missing = [f for f in REQUIRED if row.get(f) is None]
+    if missing:
+        return f"no {', '.join(missing)}"
+    for name, (types, nullable) in SCHEMA.items():
+        v = row.get(name)
+        if v is None:
+            if not nullable and name in row:
+                return f"{name} is null"
+            continue
+        if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+            return f"{name}={v!r} is not {' or '.join(t.__name__ for t in types)}"
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"{name} is not finite"
+    if row["status"] not in STATUSES:
+        return f"status {row['status']!r} is not one of {', '.join(STATUSES)}"
+    if row["seq_len"] <= 0:
+        return f"seq_len={row['seq_len']} is not > 0"
+    return None
+
+
+def _hashable(v: Any) -> Any:
+    return json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else v
+
+
+def options_of(row: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The row's variant options without the prefix, sorted; null ones dropped (absent == null), and the
+    backend, which is its own field."""
+    return tuple(sorted((k[len(OPT_PREFIX):], _hashable(v)) for k, v in row.items()
+                        if k.startswith(OPT_PREFIX) and k != f"{OPT_PREFIX}backend" and v is not None))
+
+
+class Series(NamedTuple):
+    """One line in a plot: a point without its N."""
+
+    variant: str
+    backend: str | None
+    opts: tuple[tuple[str, Any], ...]
+    causal: Any
+    dtype: Any
+    device: Any
+    shape: tuple[Any, Any, Any]  # (batch_size, num_heads, head_dim): a sweep may vary them too
+    seed: Any = 0
+    inputs: Any = None
+    task: Any = None
+
+
+def series_key(row: dict[str, Any]) -> Series:
+    return Series(row.get("variant"), row.get("backend"), options_of(row), row.get("causal"), row.get("dtype"),
+                  row.get("device"), (row.get("batch_size"), row.get("num_heads"), row.get("head_dim")),
+                  row.get("seed"), row.get("inputs"), row.get("task"))
+
+
+def point_key(row: dict[str, Any]) -> tuple:
+    """The identity of a point (IDENTITY_FIELDS and the options): the one definition, used to resume,
+    to count and to draw."""
+    return (*series_key(row), row.get("seq_len"))
+
+
+def latest(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per point: the last one (a re-measured point supersedes its earlier rows), in the order
+    of those last rows."""
+    last: dict[tuple, dict[str, Any]] = {}
+    for row in rows:
+        key = point_key(row)
+        last.pop(key, None)
+        last[key] = row
+    return list(last.values())
+
+
+# ----- reading -------------------------------------------------------------------------------------
+
+class InputError(Exception):
+    """Bad input to the reading tools (missing path, no results): the CLIs print it as one line, exit 2."""
+
+
+@dataclass
+class Damaged:
+    lineno: int
+    text: str  # the line verbatim, without its newline
+    problem: str
+
+
+@dataclass
+class Contents:
+    """A results.jsonl read and checked: its valid rows in file order, the damaged lines, and the rows
+    recovered from inside damaged lines (a cut line joined to the next one)."""
+
+    rows: list[dict[str, Any]]
+    damaged: list[Damaged]
+    recovered: list[int]  # line numbers whose damaged line held a whole row, kept in ``rows``
+
+    def warning(self, path: Path) -> str | None:
+        if not self.damaged:
+            return None
+        lines = ", ".join(f"{d.lineno} ({d.problem})" for d in self.damaged[:8])
+        more = f" and {len(self.damaged) - 8} more" if len(self.damaged) > 8 else ""
+        kept = f"; a whole row inside line(s) {', '.join(map(str, self.recovered))} kept" if self.recovered else ""
+        return f"{path}: damaged line(s) {lines}{more}{kept}"
+
+
+def parse_jsonl(text: str) -> Contents:
+    rows, damaged, recovered = [], [], []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            problem = row_problem(row)
+        except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+            row, problem = None, f"not JSON ({getattr(err, 'msg', type(err).__name__)})"
+        if problem is None:
+            rows.append(row)
+            continue
+        damaged.append(Damaged(lineno, line, problem))
+        inner = _row_inside(line)
+        if inner is not None:
+            rows.append(inner)
+            recovered.append(lineno)
+    return Contents(rows, damaged, recovered)
+
+
+def _row_inside(line: str) -> dict[str, Any] | None:
+    """A whole valid row that a damaged line ends with: a line cut mid-write and then joined with the
+    next row (the next append started without a newline) still holds that next row."""
+    for start in (m.start() for m in re.finditer(r"\{", line) if m.start() > 0):
+        try:
+            row = json.loads(line[start:])
+        except json.JSONDecodeError:
+            continue
+        if row_problem(row) is None:
+            return row
+    return None
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The valid rows of a results.jsonl in file order (damaged lines left out: ``parse_jsonl`` says which)."""
+    return parse_jsonl(Path(path).read_text()).rows
+
+
+def _parse_cell(text: str) -> Any:
+    """CSV cells are strings: give back None, bools and numbers as the jsonl would have them."""
+    if text in ("", "None", "null"):
+        return None
+    if text in ("True", "true"):
+        return True
+    if text in ("False", "false"):
+        return False
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    if text[:1] in "[{":  # lists/dicts written as JSON
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+    return text
+
+
+def read_csv(path: Path) -> list[dict[str, Any]]:
+    with path.open(newline="") as f:
+        return [{k: _parse_cell(v) for k, v in row.items() if k is not None} for row in csv.DictReader(f)]
+
+
+def _natural(path: Path) -> list[Any]:
+    """Sort key that puts sweep job 10 after job 9 (and timestamped sweep dirs in time order)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
+
+
+def result_files(path: str | Path) -> list[Path]:
+    """A results file, or every results.jsonl under a directory (results.csv where there is none)."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or directory")
+    if path.is_file():
+        if path.suffix not in (".jsonl", ".csv"):
+            raise InputError(f"{path}: expected a results .jsonl or .csv file or a directory")
+        return [path]
+    files = sorted(path.rglob("results.jsonl"), key=_natural)
+    if not files:
+        files = sorted(path.rglob("results.csv"), key=_natural)
+    if not files:
+        raise InputError(f"{path}: no results.jsonl or results.csv found under it")
+    return files
+
+
+def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
+    """One row per point under ``path`` (a point measured more than once: its last row, and one notice
+    saying so), for the report and compare tools. Damaged lines are left out with one notice per file;
+    nothing is modified. Raises InputError."""
+    warn = warn or _stderr
+    rows: list[dict[str, Any]] = []
+    notices: list[str] = []
+    for file in result_files(path):
+        try:
+            if file.suffix == ".jsonl":
+                contents = parse_jsonl(file.read_text())
+                if contents.warning(file):
+                    notices.append(f"{contents.warning(file)}: left out")
+                rows += contents.rows
+            else:
+                rows += [r for r in read_csv(file) if row_problem(r) is None]
+        except (OSError, UnicodeDecodeError, csv.Error) as err:
+            raise InputError(f"{file}: cannot read ({type(err).__name__}: {err})") from None
+    if not rows:
+        raise InputError(f"{path}: no result rows found" + (f" ({notices[0]})" if notices else ""))
+    for notice in notices:
+        warn(notice)
+    points = latest(rows)
+    if len(points) < len(rows):
+        warn(f"{path}: {len(rows) - len(points)} row(s) are earlier measurements of a point measured again; "
+             f"the last measurement of each point is used")
+    return points
+
+
+def _stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+# ----- writing -------------------------------------------------------------------------------------
+
+def atomic_write(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole, or keeps what it held: a temporary file in the same directory,
+    flushed to disk, renamed over it. The temporary file never outlives a failure (a full disk)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
+
+
+def csv_text(records: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """Rows as CSV: ``columns`` (default: every Result field), then any other key in first-seen order;
+    null as an empty cell, lists as JSON."""
+    columns = list(FIELDS if columns is None else columns)
+    for rec in records:
+        columns += [c for c in rec if c not in columns]
+
+    def cell(v: Any) -> Any:
+        return "" if v is None else json.dumps(v) if isinstance(v, (list, dict)) else v
+
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(columns)
+    writer.writerows([cell(r.get(c)) for c in columns] for r in records)
+    return buf.getvalue()
+
+
+def write_csv(path: Path, rows: Sequence[Result | dict[str, Any]], columns: Sequence[str] | None = None) -> None:
+    atomic_write(path, csv_text([r.record() if isinstance(r, Result) else r for r in rows], columns))
+
+
+class LockedError(Exception):
+    """Another live process holds the output directory (one line naming it)."""
+
+
+class DirectoryLock:
+    """An exclusive lock on an output directory for the whole run: ``flock`` on ``harness.lock``, which
+    also holds the holder's pid, host and start time. The kernel drops the lock when its process dies,
+    however it dies; the holder's line left in the file then says a run ended without releasing it,
+    and the next run takes it over and says so."""
+
+    NAME = "harness.lock"
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / self.NAME
+        self._file = None
+        self.taken_over: dict[str, Any] | None = None  # the dead holder's line, when one was left
+
+    def acquire(self) -> "DirectoryLock":
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(f)
+            f.close()
+            raise LockedError(f"{self.path.parent} is in use by another run ({describe_holder(holder)}); wait "
+                              f"for it to finish or use another output directory") from None
+        previous = _holder(f)
+        self.taken_over = previous or None
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": _now()}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+        self._file = f
+        return self
+
+    def release(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.seek(0)
+                self._file.truncate()  # released cleanly: nobody to take over from
+            except OSError:
+                pass
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+    @staticmethod
+    def is_held(directory: Path) -> bool:
+        """Whether a live process holds ``directory``'s lock (tried without waiting, released at once)."""
+        path = Path(directory) / DirectoryLock.NAME
+        if not path.exists():
+            return False
+        with open(path) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def _holder(f) -> dict[str, Any]:
+    f.seek(0)
+    try:
+        holder = json.loads(f.read() or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def describe_holder(holder: dict[str, Any]) -> str:
+    return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started {holder.get('started', '?')}"
+            if holder else "holder unknown")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+
+
+class ResultStore:
+    """The results of one output directory, for one run: locked, read and checked, appended.
+
+    ``resume=True`` keeps the valid rows of ``results.jsonl`` (``rows``, in file order) and appends;
+    damaged lines are moved verbatim to ``results.jsonl.damaged-<time>`` first (one warning). ``resume=
+    False`` moves an existing file aside (``results.jsonl.replaced-<time>``). Nothing is ever deleted.
+    ``results.csv`` is the view: one row per point (the latest), rewritten whole after each point.
+    Raises LockedError when another run holds the directory, OSError when it cannot be written."""
+
+    def __init__(self, output_dir: Path, resume: bool = True, warn=None) -> None:
         self.output_dir = Path(output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.warn = warn or _stderr
         self.jsonl = self.output_dir / "results.jsonl"
         self.csv = self.output_dir / "results.csv"
-        self.rows: list[Result] = []
-        if self.jsonl.exists():
-            if resume:
-                self.rows = [Result.from_record(r) for r in drop_cut_lines(self.jsonl)]
-            else:
-                stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-                self.jsonl.rename(self.jsonl.with_name(f"{self.jsonl.name}.replaced-{stamp}"))
-        self._file = open(self.jsonl, "a")
-        if self.rows:
-            write_csv(self.csv, self.rows)
+        self.rows: list[dict[str, Any]] = []
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = DirectoryLock(self.output_dir).acquire()
+        try:
+            if self.lock.taken_over:
+                self.warn(f"took over {self.lock.path}, left by a run that is gone "
+                          f"({describe_holder(self.lock.taken_over)})")
+            if self.jsonl.exists():
+                if resume:
+                    self._load()
+                else:
+                    self.jsonl.rename(self.jsonl.with_name(f"{self.jsonl.name}.replaced-{_stamp()}"))
+            self._file = open(self.jsonl, "a")
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _load(self) -> None:
+        text = self.jsonl.read_text(errors="replace")
+        contents = parse_jsonl(text)
+        self.rows = contents.rows
+        if contents.damaged:
+            aside = self.jsonl.with_name(f"{self.jsonl.name}.damaged-{_stamp()}")
+            with open(aside, "a") as f:  # verbatim, before results.jsonl loses them
+                f.writelines(d.text + "\n" for d in contents.damaged)
+                f.flush()
+                os.fsync(f.fileno())
+            atomic_write(self.jsonl, "".join(json.dumps(r, allow_nan=False) + "\n" for r in contents.rows))
+            self.warn(f"{contents.warning(self.jsonl)}: moved to {aside.name}; their points will be measured "
+                      f"again")
+        elif text and not text.endswith("\n"):  # a last line ended by its closing brace, then killed
+            with open(self.jsonl, "a") as f:
+                f.write("\n")
+
+    def current(self) -> dict[tuple, dict[str, Any]]:
+        """point_key -> the point's latest row."""
+        return {point_key(r): r for r in latest(self.rows)}
 
     def add(self, row: Result) -> None:
-        self.rows.append(row)
-        self._file.write(json.dumps(row.record(), allow_nan=False) + "\n")
+        rec = row.record()
+        problem = row_problem(rec)
+        if problem is not None:  # never write what would not read back
+            raise ValueError(f"result row for N={rec.get('seq_len')} is not valid: {problem}")
+        self._file.write(json.dumps(rec, allow_nan=False) + "\n")
         self._file.flush()
-        write_csv(self.csv, self.rows)
+        os.fsync(self._file.fileno())
+        self.rows.append(rec)
+        write_csv(self.csv, latest(self.rows))
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        finally:
+            self.lock.release()
 
-    def __enter__(self) -> "ResultWriter":
+    def __enter__(self) -> "ResultStore":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def write_csv(path: Path, rows: Sequence[Result]) -> None:
-    records = [r.record() for r in rows]
-    columns = list(FIELDS)
-    for rec in records:  # option columns: the union over rows, in first-seen order
-        columns += [c for c in rec if c not in columns]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for rec in records:
-            writer.writerow({c: "" if rec.get(c) is None else rec[c] for c in columns})
+# ----- the state of a job --------------------------------------------------------------------------
+
+class JobStatus:
+    """``status.json``: state (running | completed | failed | refused | interrupted), point counts by
+    status, pid, host, times. A run that dies without a word (SIGKILL) leaves "running": ``job_state``
+    tells that apart from a live run by its lock."""
+
+    def __init__(self, out_dir: Path, total: int | None) -> None:
+        self.path = Path(out_dir) / "status.json"
+        self.info: dict[str, Any] = {"state": "running", "points_total": total, "points_done": 0,
+                                     "statuses": {}, "noisy": 0, "pid": os.getpid(),
+                                     "hostname": socket.gethostname(), "started": _now(), "updated": _now(),
+                                     "error": None}
+
+    def update(self, done: Sequence[Result]) -> None:
+        statuses: dict[str, int] = {}
+        for r in done:
+            statuses[r.status] = statuses.get(r.status, 0) + 1
+        self.info.update(points_done=len(done), statuses=statuses, noisy=sum(bool(r.noisy) for r in done),
+                         updated=_now())
+        self._write()
+
+    def finish(self, state: str, error: str | None = None) -> None:
+        self.info.update(state=state, error=error, updated=_now())
+        self._write()
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            write_json(self.path, self.info)
+        except OSError as err:
+            if err.errno != errno.ENOSPC or not self.path.exists():
+                raise
+            # A full disk: a temporary file needs new blocks; overwriting the small file in place reuses
+            # its own, so the state is still told ("failed: no space left").
+            text = json.dumps(self.info, indent=2) + "\n"
+            with open(self.path, "r+") as f:
+                f.truncate()
+                f.write(text)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a results.jsonl, whole lines only: a line that does not parse (a SIGKILL can cut
-    the last one mid-write) is skipped."""
-    return _whole_lines(path)[0]
-
-
-def drop_cut_lines(path: Path) -> list[dict[str, Any]]:
-    """``read_jsonl``, and the file rewritten without a cut line (atomically: a temporary file renamed
-    over it), so that appending after it starts on a fresh line."""
-    records, dropped = _whole_lines(path)
-    if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in records)
-        os.replace(tmp, path)
-    return records
-
-
-def _whole_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
-    records, dropped = [], 0
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                dropped += 1
-    return records, dropped
+def job_state(job_dir: Path) -> dict[str, Any]:
+    """A job directory's status.json, with ``state`` "gone" where it says running but no live process
+    holds the directory (killed without a chance to say so); "no status" where there is none."""
+    try:
+        info = json.loads((Path(job_dir) / "status.json").read_text())
+    except (OSError, ValueError):
+        return {"state": "no status"}
+    if not isinstance(info, dict):
+        return {"state": "no status"}
+    if info.get("state") == "running" and not DirectoryLock.is_held(job_dir):
+        info = {**info, "state": "gone", "error": f"the run (pid {info.get('pid')} on {info.get('hostname')}) "
+                                                  f"ended without finishing; rerun to resume"}
+    return info
 
 
 # ----- log-log fits --------------------------------------------------------------------------------
@@ -221,14 +688,17 @@ def fit_exponents(rows: Iterable[Result | dict], min_seq_len: int = 0,
                   max_seq_len: int | None = None) -> dict[str, Any]:
     """Fitted exponents of time and peak memory against N over the ok points (at least two distinct N),
     each beside the theory: the log-log slope of the analytic forward FLOPs (time) or of the analytic
-    memory (memory) over the same N."""
+    memory (memory) over the same N. Noisy points are left out of the time fits (``left_out``): their
+    timings cannot be trusted; memory is measured once and is not subject to timing noise."""
     recs = [r.record() if isinstance(r, Result) else r for r in rows]
     recs = [r for r in recs if r["status"] == "ok" and r["seq_len"] >= min_seq_len
             and (max_seq_len is None or r["seq_len"] <= max_seq_len)]
     fits: dict[str, Any] = {}
     pairs = [(m, m, "flops_fwd") for m in TIME_METRICS] + [("memory", "peak_mem_bytes", "analytic_mem_bytes")]
     for key, measured, analytic in pairs:
-        pts = [r for r in recs if _positive(r.get(measured)) and _positive(r.get(analytic))]
+        usable = [r for r in recs if _positive(r.get(measured)) and _positive(r.get(analytic))]
+        noisy = sorted({r["seq_len"] for r in usable if r.get("noisy")}) if key != "memory" else []
+        pts = [r for r in usable if key == "memory" or not r.get("noisy")]
         seq_lens = sorted({r["seq_len"] for r in pts})
         if len(seq_lens) < 2:
             continue
@@ -239,18 +709,10 @@ def fit_exponents(rows: Iterable[Result | dict], min_seq_len: int = 0,
             "measured": measured,
             "analytic": analytic,
             "seq_lens": seq_lens,
+            "left_out_noisy": noisy,
         }
     return fits
 
 
 def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Written whole or not at all (a temporary file renamed over ``path``)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)

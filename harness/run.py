@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import math
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -29,9 +26,9 @@ from . import env as envmod
 from .console import Display
 from .logger import sweep_group_name, wandb_run
 from .config import DEFAULT_BUDGET_SHARE, ConfigError, Settings, one_line, settings_from_config
-from .measure import measure_point, timer_name
-from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, Result, ResultWriter, fit_exponents, tflops,
-                      write_json)
+from .measure import measure_point, noise_reasons, timer_name
+from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, JobStatus, LockedError, Result, ResultStore,
+                      fit_exponents, latest, point_key, tflops, write_json)
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -86,7 +83,21 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> tuple[Settings, variants.At
                           f"allowed inputs here: gaussian, peaked")
     if settings.task is not None:
         task_config(settings, settings.seq_lens[0])  # the task's own checks, before anything is written
+    check_memory_budget(settings, device)
     return settings, attn, device
+
+
+def check_memory_budget(settings: Settings, device: torch.device) -> None:
+    """On CPU a budget above the machine's physical memory would let the kernel's OOM killer end the run
+    instead of a recorded skip: refused. (On GPU an out-of-memory is caught and recorded, so a budget
+    there only spares the time of points that clearly cannot fit.)"""
+    total = envmod.mem_total_bytes()
+    if device.type != "cpu" or settings.memory_budget_gb is None or total is None:
+        return
+    if settings.memory_budget_gb * 1e9 > total:
+        raise ConfigError(f"memory_budget_gb={settings.memory_budget_gb:g} exceeds this machine's physical memory "
+                          f"(MemTotal {total / 1e9:.3g} GB); allowed: a number of GB up to {total / 1e9:.3g}, or "
+                          f"null for {DEFAULT_BUDGET_SHARE} x MemAvailable")
 
 
 def task_config(settings: Settings, seq_len: int):
@@ -127,44 +138,82 @@ def memory_budget_bytes(settings: Settings, device: torch.device) -> int | None:
     return None
 
 
+class RunInterrupted(BaseException):
+    """Ctrl-C (SIGINT) or SIGTERM (a scheduler's cancel) during a run: the directory's status says
+    interrupted; ``message`` is the one line to print, ``exit_code`` 130 or 143 (128 + the signal)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.message, self.exit_code = message, exit_code
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised by the command line's SIGTERM handler, so that a cancelled job ends like Ctrl-C."""
+
+
+class DirectoryInUse(ConfigError):
+    """Another live run holds the output directory (one line naming it): refused, exit 2, its files
+    left untouched."""
+
+
+class RunFailed(Exception):
+    """The run could not go on (its output directory stopped taking writes): one line; status failed."""
+
+
 def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None,
         display: Display | None = None) -> Sweep:
     """Measures the configured variant at every sequence length; writes results.jsonl, results.csv,
     env.json, status.json and (with two or more lengths) fit.json into ``output_dir`` (default:
     ``cfg.output_dir``, else Hydra's output directory), and logs the run to wandb (``cfg.logger``).
 
-    With ``resume`` (the default) points already in the directory's results.jsonl are kept, not measured
-    again; status.json says running / completed / failed with the point counts (Hydra leaves no
-    failure marker in a job's directory)."""
+    The directory is locked for the run (a second run refuses: ``LockedError``, a ConfigError). With
+    ``resume`` (the default) points already in its results.jsonl are kept, not measured again (except
+    those named by ``retry``); status.json says running / completed / failed / interrupted with the
+    point counts. Raises ConfigError/VariantError on bad input (nothing written), RunInterrupted on
+    Ctrl-C or SIGTERM, RunFailed when the directory stops taking writes."""
     settings, attn, device = validate(cfg)
     out_dir = resolve_output_dir(output_dir, settings)
+    try:
+        store = ResultStore(out_dir, resume=settings.resume)
+    except LockedError as e:
+        raise DirectoryInUse(str(e)) from None
+    except OSError as e:
+        raise ConfigError(f"cannot write to the output directory {out_dir}: {e.strerror or e}") from None
+    with store:
+        return _run(cfg, settings, attn, device, store, display)
+
+
+def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device, store: ResultStore,
+         display: Display | None) -> Sweep:
+    out_dir = store.output_dir
     environment = envmod.collect(device)
     attn.to(device)
     attn.requires_grad_(settings.measure.param_grads)
     budget = memory_budget_bytes(settings, device)
     options = tuple(dataclasses.asdict(attn.options).items())
-    shown = ", ".join(f"{k}={v}" for k, v in options if k != "backend")
-    title = (f"{attn.name} ({shown + '; ' if shown else ''}backend {attn.backend}) on {device.type} "
-             f"({environment.device_name}), {settings.dtype}, "
+    label = variant_label(attn)
+    title = (f"{label} on {device.type} ({environment.device_name}), {settings.dtype}, "
              f"B={settings.batch_size} H={settings.num_heads} D={settings.head_dim}"
              f"{' causal' if settings.causal else ''} -> {out_dir}")
     config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    display = display or Display(title, len(settings.seq_lens))
+    display = display or Display(title, len(settings.seq_lens), task=settings.task is not None)
     status = JobStatus(out_dir, len(settings.seq_lens))
+    wanted = {point_key(point_identity(attn, settings, device, n, options)): n for n in settings.seq_lens}
+    stored = store.current()
+    kept = [Result.from_record(stored[key]) for key in wanted
+            if key in stored and not retried(stored[key], settings.retry)]
+    done: list[Result] = list(kept)
     task_cache: dict[int, dict[str, Any]] = {}  # task.seq_len fixed: trained once, reused at every point
     try:
-        with ResultWriter(out_dir, resume=settings.resume) as writer, \
-                wandb_run(settings.logger, out_dir, {**config, "env": environment.as_dict()},
-                          name=f"{attn.name}/{attn.backend}", group=sweep_group(settings),
-                          tags=[attn.name, attn.backend, device.type]) as logger, display:
-            write_json(out_dir / "env.json", {**environment.as_dict(), "date": envmod.now(), "config": config})
-            wanted = {resume_key(point_identity(attn, settings, device, n), options): n for n in settings.seq_lens}
-            done = [r for r in writer.rows if resume_key(r.record(), r.options) in wanted]
-            for row in done:  # measured by an earlier run into this directory: shown and logged, not redone
+        status.update(done)
+        write_json(out_dir / "env.json", {**environment.as_dict(), "date": envmod.now(), "config": config})
+        with wandb_run(settings.logger, out_dir, {**config, "variant_name": attn.name, "variant_label": label,
+                                                  "env": environment.as_dict()},
+                       name=label, group=sweep_group(settings), tags=[attn.name, attn.backend, device.type]) as logger, \
+                display:
+            for row in kept:  # measured by an earlier run into this directory (and logged by it): shown
                 display.add(row)
-                logger.log_point(row.record())
-            measured = {resume_key(r.record(), r.options) for r in done}
-            status.update(done)
+            measured = {point_key(r.record()) for r in kept}
             for key, seq_len in wanted.items():
                 if key in measured:
                     continue
@@ -172,39 +221,60 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
                                 on_phase=lambda phase, n=seq_len: display.phase(n, phase),
                                 task_log=lambda step, m, n=seq_len: logger.log_task_step(n, step, m),
                                 task_cache=task_cache)
-                writer.add(row)
+                for sink in (store, logger, display):  # each new row: written, logged, shown
+                    sink.add(row)
                 done.append(row)
-                logger.log_point(row.record())
-                display.add(row)
                 status.update(done)
             fits = fit_exponents(done)
             if fits:
                 write_json(out_dir / "fit.json", {"variant": attn.name, "backend": attn.backend,
                                                   "options": dict(options), "fits": fits})
-                display.fits(fits, sorted({n for f in fits.values() for n in f["seq_lens"]}))
-            logger.log_points_table([r.record() for r in done])
+                display.fits(fits)
+            logger.log_points_table(latest(store.rows))  # every point of the directory
             logger.summary({f"fit/{name}": f["fitted"] for name, f in fits.items()})
-    except BaseException as e:  # KeyboardInterrupt too: the directory says the job did not finish
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through the command line's handler
+        signal_name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        message = (f"interrupted ({signal_name}) after {len(done)} of {len(wanted)} points; rerun the same "
+                   f"command to resume")
+        status.finish("interrupted", message)
+        raise RunInterrupted(message, code) from None
+    except OSError as e:  # the directory stopped taking writes (a full disk): what was written stands
+        message = one_line(f"cannot write results to {out_dir}: {e.strerror or e} ({len(done)} of "
+                           f"{len(wanted)} points are in results.jsonl; make room and rerun the same command "
+                           f"to resume)")
+        try:
+            status.finish("failed", message)
+        except OSError:
+            pass
+        raise RunFailed(message) from None
+    except BaseException as e:
         status.finish("failed", one_line(f"{type(e).__name__}: {e}")[:500])
         raise
     status.finish("completed")
     return Sweep(done, fits, out_dir)
 
 
-def point_identity(attn: variants.Attention, s: Settings, device: torch.device, seq_len: int) -> dict[str, Any]:
-    """The fields that say which measurement a point is (with the variant's options): the start of its
-    record, and, for resuming, what makes two points the same."""
+def variant_label(attn: variants.Attention) -> str:
+    """``name[option=value,...]/backend``: the variant as configured, for titles, wandb names and grouping."""
+    shown = ",".join(f"{k}={v}" for k, v in sorted(dataclasses.asdict(attn.options).items())
+                     if k != "backend" and v is not None)
+    return f"{attn.name}{f'[{shown}]' if shown else ''}/{attn.backend}"
+
+
+def retried(row: Mapping[str, Any], retry: tuple[str, ...]) -> bool:
+    """Whether a stored row is to be measured again (``retry``: statuses, or noisy)."""
+    return row["status"] in retry or ("noisy" in retry and bool(row.get("noisy")))
+
+
+def point_identity(attn: variants.Attention, s: Settings, device: torch.device, seq_len: int,
+                   options: tuple = ()) -> dict[str, Any]:
+    """The fields that say which measurement a point is: the start of its record, and (with the options)
+    what ``results.point_key`` compares."""
     return dict(variant=attn.name, backend=attn.backend, seq_len=seq_len, batch_size=s.batch_size,
                 num_heads=s.num_heads, head_dim=s.head_dim, dtype=s.dtype, device=device.type, causal=s.causal,
                 seed=s.seed, inputs=s.inputs if s.fidelity.enabled else None,
-                task="mqar" if s.task is not None else None)
-
-
-def resume_key(identity: Mapping[str, Any], options: tuple) -> tuple:
-    """A point's identity (``point_identity``'s fields, read from a new point or a stored row) and options."""
-    fields = ("variant", "backend", "seq_len", "batch_size", "num_heads", "head_dim", "dtype", "device",
-              "causal", "seed", "inputs", "task")
-    return (*(identity[f] for f in fields), json.dumps(dict(options), sort_keys=True, default=str))
+                task="mqar" if s.task is not None else None,
+                **{f"{OPT_PREFIX}{k}": v for k, v in options})
 
 
 def sweep_group(s: Settings) -> str | None:
@@ -219,32 +289,6 @@ def sweep_group(s: Settings) -> str | None:
     return None
 
 
-class JobStatus:
-    """``status.json``: state (running | completed | failed | refused), point counts by status, pid, host,
-    times."""
-
-    def __init__(self, out_dir: Path, total: int | None) -> None:
-        self.path = Path(out_dir) / "status.json"
-        self.info: dict[str, Any] = {"state": "running", "points_total": total, "points_done": 0,
-                                     "statuses": {}, "pid": os.getpid(), "hostname": socket.gethostname(),
-                                     "started": envmod.now(), "updated": envmod.now(), "error": None}
-
-    def update(self, done: list[Result]) -> None:
-        statuses: dict[str, int] = {}
-        for r in done:
-            statuses[r.status] = statuses.get(r.status, 0) + 1
-        self.info.update(points_done=len(done), statuses=statuses, updated=envmod.now())
-        self._write()
-
-    def finish(self, state: str, error: str | None = None) -> None:
-        self.info.update(state=state, error=error, updated=envmod.now())
-        self._write()
-
-    def _write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(self.path, self.info)
-
-
 def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device,
               environment: envmod.Environment, budget: int | None, options: tuple,
               on_phase=lambda phase: None, task_log=None, task_cache: dict | None = None) -> Result:
@@ -254,7 +298,6 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
     rec.update(**point_identity(attn, s, device, N), status="ok", timer=timer_name(device, s.measure),
                **{k: v for k, v in environment.as_dict().items() if k in FIELDS})
     oom = False
-    load = envmod.OtherLoad()
     try:
         flops = attn.flops(B, H, N, D, s.causal)
         rec.update(flops_fwd=flops.executed, flops_fwd_useful=flops.useful, density=attn.density(N, s.causal),
@@ -267,10 +310,7 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
                        reason=f"analytic memory {needed / 1e9:.3g} GB (inputs included) exceeds the memory "
                               f"budget {budget / 1e9:.3g} GB (memory_budget_gb)")
         else:
-            load.start()
-            measure_point(attn, batch_size=B, num_heads=H, seq_len=N, head_dim=D, dtype=s.torch_dtype,
-                          device=device, causal=s.causal, seed=s.seed, opts=s.measure, record=rec,
-                          on_phase=on_phase)
+            rec = measure_quietest(attn, s, N, device, rec, on_phase)
             rec["backend_ran"] = getattr(attn, "last_backend", None) or attn.backend
             if attn.backend == "flex":  # what the kernel computed: whole tiles of its BlockMask (cached
                 from variants.flex import block_mask_stats  # on the device by the warm-up)
@@ -295,9 +335,39 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
                    tflops_fwd_bwd_useful=tflops(int((1 + k) * fu), rec["fwd_bwd_ms"]))
     if rec["status"] == "ok":
         quality(attn, s, seq_len, device, rec, on_phase, task_log, task_cache if task_cache is not None else {})
-    rec["other_cpu_cores"] = load.stop()
     rec["date"] = envmod.now()
     return Result(**rec, options=options)
+
+
+def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device,
+                     rec: dict[str, Any], on_phase) -> dict[str, Any]:
+    """``rec`` measured (harness.measure) with others' load recorded over the measurement and the noise
+    judged; with ``on_noise=retry`` a noisy point is measured again, up to ``max_tries`` times, and the
+    quietest measurement is kept (fewest noise reasons, then the smallest relative spread)."""
+    best, fresh = None, dict(rec)
+    for tries in range(1, s.measure.max_tries + 1):
+        attempt = rec if tries == 1 else dict(fresh)  # the first fills rec: what it measured before a
+        # failure (an OOM in the backward) is kept by the caller
+        load = envmod.OtherLoad()
+        load.start()
+        measure_point(attn, batch_size=s.batch_size, num_heads=s.num_heads, seq_len=seq_len, head_dim=s.head_dim,
+                      dtype=s.torch_dtype, device=device, causal=s.causal, seed=s.seed, opts=s.measure,
+                      record=attempt, on_phase=on_phase if tries == 1 else lambda p, t=tries: on_phase(f"{p} (try {t})"))
+        attempt["other_cpu_cores"] = load.stop()
+        reasons = noise_reasons(attempt, s.measure) if attempt["status"] == "ok" else []
+        attempt.update(noisy=bool(reasons) if attempt["status"] == "ok" else None,
+                       noise_reasons="; ".join(reasons) or None)
+        if best is None or _noise_score(attempt, reasons) < _noise_score(*best):
+            best = (attempt, reasons)
+        if not reasons or s.measure.on_noise != "retry":
+            break
+    return {**best[0], "tries": tries}
+
+
+def _noise_score(rec: dict[str, Any], reasons: list[str]) -> tuple[int, float]:
+    spreads = [rec[f"{p}_iqr_ms"] / rec[f"{p}_ms"] for p in ("fwd", "bwd", "fwd_bwd")
+               if rec.get(f"{p}_iqr_ms") is not None and rec.get(f"{p}_ms")]
+    return len(reasons), max(spreads, default=0.0)
 
 
 # ----- quality: fidelity against exact attention, and the task ------------------------------------

@@ -260,6 +260,8 @@ class Context:
             o.append("measure.memory=false")
         if self.memory_budget_gb is not None:
             o.append(f"memory_budget_gb={self.memory_budget_gb}")
+        if self.plan.smoke:  # a dry run of the orchestration at tiny sizes: its timings are not judged as noise
+            o += ["measure.max_rel_iqr=1000", "measure.max_other_cores=1000", "measure.min_samples=2"]
         return o
 
     def dtype(self, name: str) -> str:
@@ -300,7 +302,7 @@ def write_skip(ctx: Context, series_dir: Path, overrides: list[str], reason: str
     """A point not run (status skipped, with the reason) in the harness's own results file, so that a
     rerun into the same directory does not try it again."""
     from harness.measure import timer_name
-    from harness.results import FIELDS, Result, ResultWriter
+    from harness.results import FIELDS, Result, ResultStore
     from harness.run import validate
     from harness import env as envmod
 
@@ -313,7 +315,7 @@ def write_skip(ctx: Context, series_dir: Path, overrides: list[str], reason: str
                inputs=None, task=None, date=envmod.now(),
                **{k: v for k, v in ctx.environment().items() if k in FIELDS})
     row = Result(**rec, options=tuple(dataclasses.asdict(attn.options).items()))
-    with ResultWriter(series_dir, resume=True) as w:
+    with ResultStore(series_dir, resume=True) as w:
         w.add(row)
     return row.record()
 
@@ -695,9 +697,13 @@ def overhead_case(ctx: Context, case: dict, variant: str, opts: dict, rep: float
 
 def read_jsonl_safe(path: Path) -> list[dict]:
     """The whole lines of a .jsonl (a line cut by a kill is skipped); [] when there is none yet."""
-    from harness.results import read_jsonl
-
-    return read_jsonl(path) if path.exists() else []
+    rows = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
 
 
 def append_jsonl(path: Path, row: dict) -> None:

@@ -85,19 +85,16 @@ if [[ "$SWEEP_DIR" == *'${'* ]]; then  # an interpolation (${now:...}): Hydra's 
 elif [ -d "$SWEEP_DIR" ]; then
     # The jobs' states from their status.json files, in one line: "jobs: 5 (completed 4, refused 1)".
     jobs_rc=0
-    "$PYTHON" - "$SWEEP_DIR" <<'EOF' || jobs_rc=$?
-import collections, json, pathlib, sys
+    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" - "$SWEEP_DIR" <<'EOF' || jobs_rc=$?
+import collections, pathlib, sys
+from harness.results import job_state  # "gone": said running, but no live process holds it
 root = pathlib.Path(sys.argv[1])
 jobs = sorted({p.parent for p in root.rglob("results.jsonl")} | {p.parent for p in root.rglob("status.json")})
-states = collections.Counter()
-for job in jobs:
-    try:
-        states[str(json.loads((job / "status.json").read_text()).get("state", "?"))] += 1
-    except (OSError, ValueError, AttributeError):
-        states["no status.json"] += 1
+jobs = [j for j in jobs if "report" not in j.relative_to(root).parts]
+states = collections.Counter(str(job_state(job).get("state", "?")) for job in jobs)
 if jobs:
     print(f"jobs: {len(jobs)} ({', '.join(f'{s} {n}' for s, n in sorted(states.items()))})")
-sys.exit(3 if set(states) - {"completed"} else 0)  # a refused, failed or unfinished job
+sys.exit(3 if set(states) - {"completed"} else 0)  # a refused, failed, interrupted or unfinished job
 EOF
     if [ "$rc" -eq 0 ] && [ "$jobs_rc" -ne 0 ]; then
         rc=1  # the other jobs ran, but the sweep is not whole: say so in the exit status

@@ -70,6 +70,9 @@ def test_wandb_run_finished_with_the_resolved_config_and_environment(offline_run
     assert summary["state"] == "finished" and summary["exit_code"] == 0
     config = {k: v for k, v in summary["config"].items() if k != "_wandb"}
     environment = config.pop("env")
+    # The variant by name and by its options: what runs are grouped and filtered by.
+    assert config.pop("variant_name") == "sliding_window"
+    assert config.pop("variant_label") == "sliding_window[dilation=1,global_tokens=0,window=8]/blocksparse"
     assert config == OmegaConf.to_container(OmegaConf.load(out / ".hydra" / "config.yaml"), resolve=True)
     env_json = json.loads((out / "env.json").read_text())
     assert environment == {k: v for k, v in env_json.items() if k not in ("date", "config")}

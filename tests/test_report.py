@@ -246,7 +246,9 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     bad = tmp_path / "bad" / "0"
     bad.mkdir(parents=True)
     (bad / "results.jsonl").write_text('{"variant": "full", "seq_len": 256}\n{not json\n')
-    _one_line_error(cli("harness.report", tmp_path / "bad"), "results.jsonl:2")
+    # No valid row: an error naming every damaged line and why (with a valid row: a warning, see below).
+    _one_line_error(cli("harness.report", tmp_path / "bad"), "no result rows", "damaged line(s) 1 (no backend",
+                    "2 (not JSON")
     good = write_sweep(tmp_path / "good", [[row("full", "sdpa", 256, fwd=1.0, mem=1)]])
     _one_line_error(cli("harness.compare", tmp_path / "missing", good), "missing")
     _one_line_error(cli("harness.compare", good, tmp_path / "empty"), "no results")

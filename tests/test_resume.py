@@ -23,7 +23,7 @@ from .test_harness import compose_cfg
 
 SEQ_LENS = [32, 48, 64, 80, 96, 112]
 SWEEP = ["-m", "variant=full,linear", f"seq_lens=[{','.join(map(str, SEQ_LENS))}]", "num_heads=1",
-         "head_dim=8", "measure.passes=[fwd]", "measure.memory=false", "measure.warmup_iters=0",
+         "head_dim=8", "measure.passes=[fwd]", "measure.memory=false", "measure.warmup_iters=1",
          "fidelity.enabled=false", "logger=none"]
 
 
@@ -94,7 +94,7 @@ def test_rerunning_a_finished_run_measures_nothing_and_resume_false_keeps_the_ol
     assert len(read_jsonl(old)) == 4, "resume=false moves the old results aside, it never deletes them"
 
 
-def test_a_job_that_raises_says_failed_in_its_status(tmp_path, monkeypatch):
+def test_an_interrupted_run_says_interrupted_in_its_status(tmp_path, monkeypatch):
     from harness import run as runmod
 
     calls = []
@@ -107,12 +107,28 @@ def test_a_job_that_raises_says_failed_in_its_status(tmp_path, monkeypatch):
 
     real = runmod.run_point
     monkeypatch.setattr(runmod, "run_point", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(runmod.RunInterrupted) as err:
         run(compose_cfg("variant=full", "seq_lens=[16,24]", "num_heads=1", "head_dim=8",
                         "measure.min_run_time=0.01", "logger=none"), output_dir=tmp_path)
+    assert err.value.exit_code == 130
+    assert err.value.message == "interrupted (Ctrl-C) after 1 of 2 points; rerun the same command to resume"
     status = json.loads((tmp_path / "status.json").read_text())
-    assert status["state"] == "failed" and "KeyboardInterrupt" in status["error"]
+    assert status["state"] == "interrupted" and status["error"] == err.value.message
     assert status["points_done"] == 1 and len(read_jsonl(tmp_path / "results.jsonl")) == 1
+
+
+def test_a_job_that_raises_says_failed_in_its_status(tmp_path, monkeypatch):
+    from harness import run as runmod
+
+    def broken(*a, **kw):
+        raise RuntimeError("a bug in the harness")
+
+    monkeypatch.setattr(runmod, "run_point", broken)
+    with pytest.raises(RuntimeError):
+        run(compose_cfg("variant=full", "seq_lens=[16]", "num_heads=1", "head_dim=8", "logger=none"),
+            output_dir=tmp_path)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "failed" and "RuntimeError: a bug in the harness" in status["error"]
 
 
 def test_a_job_that_cannot_run_is_refused_in_one_line_and_the_sweep_goes_on(tmp_path):

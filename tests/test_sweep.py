@@ -22,7 +22,7 @@ PRESETS = sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml"))
 VARIANTS = sorted(p.stem for p in (ROOT / "conf" / "variant").glob("*.yaml"))
 SEQ_LENS = [32, 64]
 TINY = [f"seq_lens=[{','.join(map(str, SEQ_LENS))}]", "num_heads=1", "head_dim=8", "measure.min_run_time=0.01",
-        "measure.warmup_iters=0", "fidelity.enabled=false", "logger=none"]
+        "measure.warmup_iters=1", "fidelity.enabled=false", "logger=none"]
 WANDB_ENV = ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "NETRC", "WANDB_ENTITY",
              "WANDB_PROJECT")
 

@@ -1,0 +1,302 @@
+"""Nothing measured is lost, duplicated or misrepresented: the faults of the README's reliability table.
+
+Each test makes the fault for real (a second process, SIGINT/SIGTERM/SIGKILL, damaged files, a file in
+the way, a read-only or full filesystem mounted for the test) and checks the outcome: exit code, one
+line, status.json, and every point exactly once.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.results import DirectoryLock, ResultStore, job_state, parse_jsonl, read_jsonl
+
+from .conftest import ROOT
+
+# Points as small and quick as a real measurement gets: these tests are about files, not numbers.
+TINY = ["variant=full", "num_heads=1", "head_dim=8", "measure.passes=[fwd]", "measure.memory=false",
+        "measure.min_run_time=0.01", "measure.min_samples=2", "fidelity.enabled=false", "logger=none"]
+
+
+def harness(*args: str, wandb: bool = False) -> list[str]:
+    return [sys.executable, "-m", "harness", *TINY, *args, *(["logger=wandb"] if wandb else [])]
+
+
+def cli(*args: str, wandb: bool = False, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    return subprocess.run(harness(*args, wandb=wandb), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(harness(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def lines_of(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"ended before {what}: " + proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def seq_lens_of(out: Path) -> list[int]:
+    return sorted(r["seq_len"] for r in read_jsonl(out / "results.jsonl"))
+
+
+# ----- 1 and 5: extending a run with wandb on; one wandb run per directory ---------------------------
+
+def wandb_records(run_dir: Path) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_extending_a_run_with_wandb_on_logs_each_point_once_in_one_run(tmp_path):
+    out = tmp_path / "D"
+    first = cli("seq_lens=[32]", f"hydra.run.dir={out}", wandb=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = cli("seq_lens=[32,48]", f"hydra.run.dir={out}", wandb=True)
+    assert again.returncode == 0, again.stderr[-3000:]  # was: TypeError on TorchVersion, status failed
+    assert json.loads((out / "status.json").read_text())["state"] == "completed"
+    assert seq_lens_of(out) == [32, 48]
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2
+    state = json.loads((out / "wandb" / "harness-run.json").read_text())
+    assert all(state["id"] in run.name for run in runs), (state, runs)  # one wandb run, resumed
+    points, steps = [], []
+    for run in runs:  # in start order
+        for rec in wandb_records(run):
+            item = rec.get("history", {}).get("item")
+            if item:
+                steps.append(item["_step"])
+                if "fwd_ms" in item:
+                    points.append(item["seq_len"])
+    assert sorted(points) == [32, 48], points  # each point logged once across both runs
+    assert steps == sorted(steps) and len(set(steps)) == len(steps), steps  # one increasing history
+
+
+# ----- 2: two writers on one directory ---------------------------------------------------------------
+
+def test_a_second_run_on_a_busy_directory_is_refused_naming_the_holder(tmp_path):
+    holder = ResultStore(tmp_path / "D")  # a live holder: this test process
+    try:
+        proc = cli("seq_lens=[32]", f"hydra.run.dir={tmp_path / 'D'}")
+    finally:
+        holder.close()
+    assert proc.returncode == 2
+    line = error_line(proc.stderr)
+    assert "in use by another run" in line and f"pid {os.getpid()}" in line and "started" in line, line
+    assert not (tmp_path / "D" / "status.json").exists() and lines_of(tmp_path / "D" / "results.jsonl") == []
+
+
+def test_the_same_command_started_twice_at_once_measures_every_point_once(tmp_path):
+    out = tmp_path / "D"
+    args = ("seq_lens=[32,40,48,56]", "measure.min_run_time=0.5", f"hydra.run.dir={out}")
+    procs = [start(*args), start(*args)]  # they race for the directory: one runs, one is refused
+    results = [(p.communicate(timeout=300)[1], p.returncode)[::-1] for p in procs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    (refused,) = [err for code, err in results if code == 2]
+    assert "in use by another run" in error_line(refused)
+    assert seq_lens_of(out) == [32, 40, 48, 56]
+    with open(out / "results.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4  # the csv agrees with the jsonl
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_and_said(tmp_path):
+    out = tmp_path / "D"
+    proc = start("seq_lens=[32,40,48,56,64]", "measure.min_run_time=0.3", f"hydra.run.dir={out}")
+    wait_for(lambda: len(lines_of(out / "results.jsonl")) >= 1, proc, "a first point")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    info = json.loads((out / "status.json").read_text())
+    assert info["state"] == "running"  # a SIGKILL leaves no chance to say more...
+    assert job_state(out)["state"] == "gone"  # ...but nobody holds the lock: the job is known to be gone
+    assert not DirectoryLock.is_held(out)
+    rerun = cli("seq_lens=[32,40,48,56,64]", f"hydra.run.dir={out}")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"left by a run that is gone (pid {info['pid']}" in rerun.stderr
+    assert seq_lens_of(out) == [32, 40, 48, 56, 64]
+    assert job_state(out)["state"] == "completed"
+
+
+# ----- 3: damaged lines ----------------------------------------------------------------------------
+
+def test_damaged_lines_are_moved_aside_said_and_their_points_measured_again(tmp_path):
+    out = tmp_path / "D"
+    assert cli("seq_lens=[32,40,48,56]", f"hydra.run.dir={out}").returncode == 0
+    r32, r40, r48, r56 = (json.loads(line) for line in lines_of(out / "results.jsonl"))
+    no_status = {k: v for k, v in r48.items() if k != "status"}
+    text_len = {**r56, "seq_len": "56"}
+    cut = json.dumps(r40)[:70]
+    damaged = [
+        cut,  # 2: a line cut in the middle
+        json.dumps(r32)[:50] + json.dumps(r32),  # 3: a cut line joined to the next row: that row is kept
+        "garbage %%% not json",  # 4
+        json.dumps(no_status),  # 5: a row without status must not count as done
+        json.dumps(text_len),  # 6: a string seq_len must not make its point measured twice
+        "[1, 2, 3]",  # 7: valid JSON, not an object
+    ]
+    (out / "results.jsonl").write_text("\n".join(["", *damaged]) + "\n")  # line 1 empty
+    proc = cli("seq_lens=[32,40,48,56]", f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warning = [line for line in proc.stderr.splitlines() if "damaged line(s)" in line]
+    assert len(warning) == 1, proc.stderr
+    for n in (2, 3, 4, 5, 6, 7):
+        assert f" {n} (" in warning[0], (n, warning[0])
+    assert "a whole row inside line(s) 3 kept" in warning[0]
+    (aside,) = out.glob("results.jsonl.damaged-*")
+    assert lines_of(aside) == damaged  # moved verbatim, never deleted
+    rows = read_jsonl(out / "results.jsonl")
+    assert sorted(r["seq_len"] for r in rows) == [32, 40, 48, 56]  # each point once
+    assert rows[0] == r32  # the row found inside the joined line is kept, not measured again
+    assert parse_jsonl((out / "results.jsonl").read_text()).damaged == []
+    status = json.loads((out / "status.json").read_text())
+    assert status["points_done"] == 4 and status["state"] == "completed"
+
+
+def test_a_cut_last_line_is_moved_aside_not_appended_to(tmp_path):
+    out = tmp_path / "D"
+    assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
+    with open(out / "results.jsonl", "a") as f:
+        f.write('{"variant": "full", "seq_len": 4')  # a kill mid-write
+    assert cli("seq_lens=[32,40]", f"hydra.run.dir={out}").returncode == 0
+    assert seq_lens_of(out) == [32, 40]
+    assert all(json.loads(line) for line in lines_of(out / "results.jsonl"))
+    (aside,) = out.glob("results.jsonl.damaged-*")
+    assert lines_of(aside) == ['{"variant": "full", "seq_len": 4']
+
+
+# ----- 4: interrupts and broken output directories ----------------------------------------------------
+
+@pytest.mark.parametrize("sig,code,name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_an_interrupt_is_one_line_status_interrupted_and_resumable(tmp_path, sig, code, name):
+    out = tmp_path / "D"
+    proc = start("seq_lens=[32,40,48,56]", "measure.min_run_time=0.3", f"hydra.run.dir={out}")
+    wait_for(lambda: len(lines_of(out / "results.jsonl")) >= 1, proc, "a first point")
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code
+    line = error_line(err)
+    assert line.startswith(f"error: interrupted ({name}) after ") and "of 4 points; rerun the same command to " \
+                                                                         "resume" in line, line
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["error"] == line.removeprefix("error: ")
+    assert all(json.loads(x) for x in lines_of(out / "results.jsonl"))
+    assert cli("seq_lens=[32,40,48,56]", f"hydra.run.dir={out}").returncode == 0
+    assert seq_lens_of(out) == [32, 40, 48, 56]
+
+
+def test_an_impossible_output_directory_is_one_line_exit_2(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for target, words in ((blocker / "out", "is a file"), (Path("/proc/harness-results/out"), "not writable")):
+        proc = cli("seq_lens=[32]", f"hydra.run.dir={target}")
+        assert proc.returncode == 2
+        line = error_line(proc.stderr)
+        assert "cannot write results to" in line and words in line, line
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real filesystem of 2 MiB (tmpfs), unmounted afterwards; skipped where mounting is not allowed."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_read_only_filesystem_is_one_line_exit_2(small_fs):
+    assert subprocess.run(["mount", "-o", "remount,ro", str(small_fs)]).returncode == 0
+    proc = cli("seq_lens=[32]", f"hydra.run.dir={small_fs / 'out'}")
+    assert proc.returncode == 2
+    line = error_line(proc.stderr)
+    assert "not writable" in line and "Read-only file system" in line, line
+
+
+def test_a_full_disk_fails_in_one_line_keeps_what_was_written_and_resumes(small_fs):
+    out = small_fs / "D"
+    assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
+    csv_before = (out / "results.csv").read_text()
+    assert csv_before.startswith("variant,")
+    filler = small_fs / "filler"
+    with open(filler, "wb", buffering=0) as f:  # fill the filesystem to the last byte...
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    os.truncate(filler, filler.stat().st_size - 3 * 4096)  # ...but three pages: the run starts, then fills it
+    proc = cli("seq_lens=[32,40,48,56,64,72,80,88]", f"hydra.run.dir={out}")
+    assert proc.returncode == 1
+    line = error_line(proc.stderr)
+    assert "cannot write" in line and "No space left on device" in line, line
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "failed" and "No space left" in status["error"]  # never left "running"
+    assert not list(out.rglob("*.tmp")), list(out.rglob("*"))  # no half-written temporary files
+    with open(out / "results.csv") as f:  # whole (the old one or a newer one), never emptied or cut
+        rows = list(csv.reader(f))
+    assert rows[0] == csv_before.splitlines()[0].split(",") and len(rows) >= 2
+    assert all(len(r) == len(rows[0]) for r in rows)
+    assert parse_jsonl((out / "results.jsonl").read_text()).rows
+    filler.unlink()
+    proc = cli("seq_lens=[32,40,48,56,64,72,80,88]", f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert seq_lens_of(out) == [32, 40, 48, 56, 64, 72, 80, 88]
+
+
+# ----- retry and smaller things ------------------------------------------------------------------
+
+def test_retry_measures_stored_failures_again_and_the_new_row_supersedes(tmp_path):
+    out = tmp_path / "D"
+    assert cli("seq_lens=[32]", "memory_budget_gb=0.000001", f"hydra.run.dir={out}").returncode == 0
+    assert [r["status"] for r in read_jsonl(out / "results.jsonl")] == ["skipped"]
+    assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0  # resume: kept as it is
+    assert [r["status"] for r in read_jsonl(out / "results.jsonl")] == ["skipped"]
+    assert cli("seq_lens=[32]", "retry=[skipped]", f"hydra.run.dir={out}").returncode == 0
+    assert [r["status"] for r in read_jsonl(out / "results.jsonl")] == ["skipped", "ok"]  # both kept
+    with open(out / "results.csv") as f:
+        assert [r["status"] for r in csv.DictReader(f)] == ["ok"]  # the view: one row per point
+    status = json.loads((out / "status.json").read_text())
+    assert status["points_done"] == 1 and status["statuses"] == {"ok": 1}
+
+
+def test_bad_measurement_and_budget_options_are_one_line_exit_2(tmp_path):
+    from harness.env import mem_total_bytes
+
+    cases = [(["measure.warmup_iters=0"], ["warmup_iters", ">= 1"]),
+             (["memory_budget_gb=100000"], ["memory_budget_gb=100000", "MemTotal", f"{mem_total_bytes() / 1e9:.3g}"]),
+             (["retry=[failed]"], ["retry", "error, oom, skipped, nonfinite, noisy"]),
+             (["measure.on_noise=ignore"], ["on_noise", "flag, retry"]),
+             (["measure.min_samples=1"], ["min_samples", ">= 2"])]
+    for i, (args, words) in enumerate(cases):
+        proc = cli("seq_lens=[32]", *args, f"hydra.run.dir={tmp_path / str(i)}")
+        assert proc.returncode == 2, args
+        line = error_line(proc.stderr)
+        assert all(w in line for w in words), (args, line)
+        assert not (tmp_path / str(i) / "results.jsonl").exists()
