@@ -1,9 +1,9 @@
 """Live console view of a run: the finished points above a progress bar, or plain lines.
 
 On a terminal the table is redrawn only between measurements (no refresh thread competing with the
-timed code for the GIL and the cores) and fits in 100 columns: numbers never wrap, the note column
-(why a point is not ok, or is noisy) folds. Elsewhere (a pipe, ``| tee``, a CI log, pytest) each
-point is one plain line as it finishes, and nothing is redrawn.
+timed code for the GIL and the cores) and fits in 100 columns: numbers never wrap; why a point is not
+ok, or is noisy, is a note below the table. Elsewhere (a pipe, ``| tee``, a CI log, pytest) each point
+is one plain line as it finishes, and nothing is redrawn.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from .results import Result
 
@@ -30,10 +31,15 @@ def _num(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}g}"
 
 
+def _short(x: float, digits: int) -> str:
+    """``digits`` significant digits, never in e-notation (22690 ms, not 2.269e+04)."""
+    return f"{x:.0f}" if abs(x) >= 10 ** (digits - 1) else f"{x:.{digits}g}"
+
+
 def _ms(median: float | None, iqr: float | None) -> str:
     if median is None:
         return "-"
-    return f"{median:.4g}" + ("" if iqr is None else f"±{iqr:.2g}")
+    return _short(median, 4) + ("" if iqr is None else f"±{_short(iqr, 2)}")
 
 
 def _mib(x: int | None) -> str:
@@ -58,12 +64,11 @@ class Display:
         self.console = console or make_console()
         self.title = title
         self.task = task
-        self.table = Table(title=f"{title}\n(* noisy: the timings cannot be trusted as they are; see the note)",
-                           title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+        self.table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
         numeric = ["fwd ms", "bwd ms", "fwd+bwd ms", "peak MiB", "TFLOP/s", "rel err"]
         for c in ["N", "status", *numeric, *(["task acc"] if task else []), "others"]:
             self.table.add_column(c, justify="left" if c == "status" else "right", no_wrap=True)
-        self.table.add_column("note", overflow="fold", ratio=1, min_width=12)
+        self.notes = Text()  # below the table: why a point is not ok, or noisy (* in its status)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
                                  TimeElapsedColumn(), console=self.console)
         self.bar = self.progress.add_task("starting", total=total)
@@ -72,7 +77,7 @@ class Display:
 
     def __enter__(self) -> "Display":
         if self.console.is_terminal:
-            self.live = Live(Group(self.table, self.progress), console=self.console, auto_refresh=False)
+            self.live = Live(self.view(), console=self.console, auto_refresh=False)
             self.live.start(refresh=True)
         else:
             self.console.print(self.title)
@@ -84,6 +89,9 @@ class Display:
         for line in self.fit_lines:
             self.console.print(line)
 
+    def view(self) -> Group:
+        return Group(self.table, self.notes, self.progress)
+
     def phase(self, seq_len: int, phase: str) -> None:
         self.progress.update(self.bar, description=f"N={seq_len}: {phase}")
         if self.live is not None:
@@ -93,7 +101,11 @@ class Display:
         self.table.add_row(str(r.seq_len), status_text(r), _ms(r.fwd_ms, r.fwd_iqr_ms), _ms(r.bwd_ms, r.bwd_iqr_ms),
                            _ms(r.fwd_bwd_ms, r.fwd_bwd_iqr_ms), _mib(r.peak_mem_bytes), _num(r.tflops_fwd_bwd),
                            _num(r.out_rel_err, 2), *([_num(r.task_accuracy)] if self.task else []),
-                           _num(r.other_cpu_cores, 2), note(r))
+                           _num(r.other_cpu_cores, 2))
+        if note(r):
+            if not self.notes:
+                self.notes.append("* noisy: its timings cannot be trusted as they are\n", style="dim")
+            self.notes.append(f"N={r.seq_len} {status_text(r)}: {note(r)}\n")
         self.progress.advance(self.bar)
         if self.live is not None:
             self.live.refresh()

@@ -13,9 +13,10 @@ x-axis the harness declares with define_metric), log x:
   time      fwd_ms, bwd_ms, fwd_bwd_ms (log y)
   memory    peak_mem_bytes (log y)
   fidelity  out_rel_err (log y), mass_kept, task_accuracy
-One line per ``config.variant._target_``: the mean over the variant's runs (a resumed job's runs, or
-several backends/options of one variant: --group-by config.variant.backend splits those), with a
-min-max band.
+One line per ``config.variant_label`` (the variant as configured: name, every option, backend, e.g.
+``sliding_window[dilation=1,global_tokens=0,window=128]/blocksparse``): the mean over its runs (several
+seeds or shapes of one configuration), with a min-max band. ``--group-by config.variant_name`` draws one
+line per variant instead, averaging its options together.
 It prints the report's URL. --dry-run builds the report and prints an outline of it (JSON: grids, run
 filter, grouping, panels) without credentials or network.
 
@@ -43,7 +44,7 @@ INSTALL = "pip install 'wandb-workspaces>=0.4.13'"
 NO_CREDENTIALS = (f"{PROG}: no wandb credentials (WANDB_API_KEY or `wandb login`); report.html from "
                   "`python -m harness.report DIR` is the offline dashboard")
 DEFAULT_PROJECT = "attention-harness"
-DEFAULT_GROUP_BY = "config.variant._target_"
+DEFAULT_GROUP_BY = "config.variant_label"
 
 # (section, [(metric, title, log_x, log_y)])
 SECTIONS = (
@@ -173,7 +174,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--title", help="report title (default: 'attention sweep <group's last part>')")
     p.add_argument("--group-by", action="append", metavar="KEY",
                    help=f"run key to draw one line per value of, repeatable (default {DEFAULT_GROUP_BY}; "
-                        "e.g. also config.variant.backend)")
+                        "e.g. config.variant_name: one line per variant, options averaged)")
     p.add_argument("--dry-run", action="store_true",
                    help="print an outline of the report (JSON) instead of saving it; no credentials "
                         "or network needed")

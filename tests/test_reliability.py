@@ -18,9 +18,12 @@ from pathlib import Path
 
 import pytest
 
+import variants
 from harness.results import DirectoryLock, ResultStore, job_state, parse_jsonl, read_jsonl
+from harness.run import run
 
 from .conftest import ROOT
+from .test_harness import compose_cfg
 
 # Points as small and quick as a real measurement gets: these tests are about files, not numbers.
 TINY = ["variant=full", "num_heads=1", "head_dim=8", "measure.passes=[fwd]", "measure.memory=false",
@@ -300,3 +303,23 @@ def test_bad_measurement_and_budget_options_are_one_line_exit_2(tmp_path):
         line = error_line(proc.stderr)
         assert all(w in line for w in words), (args, line)
         assert not (tmp_path / str(i) / "results.jsonl").exists()
+
+
+class ExplodesFrom48(variants.Full):
+    """Exact attention whose output overflows from N=48 on (a test-only variant, built by _target_)."""
+
+    name = "explodes"
+
+    def _attend(self, q, k, v, causal, backend):
+        out = super()._attend(q, k, v, causal, backend)
+        return out * float("inf") if q.shape[-2] >= 48 else out
+
+
+def test_non_finite_output_or_gradients_make_the_point_nonfinite(tmp_path):
+    # Fidelity would also catch it, but only up to fidelity.max_seq_len: every point checks once.
+    cfg = compose_cfg(*TINY, "seq_lens=[32,48]", "variant._target_=tests.test_reliability.ExplodesFrom48",
+                      "fidelity.enabled=true", "fidelity.max_seq_len=16")
+    rows = run(cfg, output_dir=tmp_path).rows
+    assert [(r.seq_len, r.status) for r in rows] == [(32, "ok"), (48, "nonfinite")]
+    assert rows[1].reason == "non-finite values (NaN or Inf) in output, dq, dk, dv in float32"
+    assert rows[1].fwd_ms is None and rows[1].noisy is None  # nothing timed

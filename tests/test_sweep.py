@@ -211,7 +211,7 @@ def test_wandb_dashboard_report_outline(tmp_path):
     for grid in grids:
         (runset,) = grid["runsets"]
         assert group in runset["filters"] and "Group" in runset["filters"]
-        assert runset["groupby_keys"] == ["variant.value._target_"]
+        assert runset["groupby_keys"] == ["variant_label.value"]  # the variant with its options
         for panel in grid["panels"]:
             assert panel["panel"] == "LinePlot" and panel["x"] == "seq_len"
             metrics.update(panel["y"])

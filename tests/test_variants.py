@@ -283,6 +283,18 @@ def test_build_matches_yaml_registry():
         assert type(from_yaml(path)) is variants.REGISTRY[path.stem]
 
 
+def test_analytic_memory_follows_causal():
+    """A causal sweep must not budget (or fit a memory theory) for the future blocks it skips."""
+    for name, options in [("sliding_window", {"window": 256}), ("sparse", {"pattern": "fixed"}),
+                          ("blockwise", {"mode": "local", "backend": "dense"}), ("full", {"backend": "math"})]:
+        attn = variants.build(name, **options)
+        bidir, causal = (attn.memory_bytes(1, 4, 4096, 64, 4, causal=c) for c in (False, True))
+        if attn.executed_pairs(4096, True) < attn.executed_pairs(4096, False):
+            assert causal < bidir, name
+        else:  # the dense paths compute every score, causal or not
+            assert causal == bidir, name
+
+
 def test_shipped_yaml_defaults_are_the_class_defaults():
     """One default per option: variants.build(name) runs what conf/variant/<name>.yaml runs."""
     for path in VARIANT_YAMLS:

@@ -1,0 +1,201 @@
+"""A measurement that can be trusted, or says it cannot: samples, the noisy flag and its reasons, retry,
+and what the console, fits, report and compare do with noisy points. Timings are never asserted: the
+flags are (a CPU-burning process beside a real point must be seen)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from harness import report
+from harness.compare import compare, judge
+from harness.config import MeasureOptions
+from harness.console import Display
+from harness.measure import noise_reasons
+from harness.results import Result, fit_exponents, read_jsonl
+from harness.run import run
+
+from .test_harness import compose_cfg
+from .test_report import row, write_sweep
+
+TINY = ["variant=full", "num_heads=1", "head_dim=8", "seq_lens=[48]", "measure.min_run_time=0.05",
+        "fidelity.enabled=false", "logger=none"]
+
+
+def test_every_timing_has_enough_samples_for_a_spread(tmp_path):
+    (r,) = run(compose_cfg(*TINY, "measure.min_samples=7", "measure.min_run_time=0.001"), output_dir=tmp_path).rows
+    for p in ("fwd", "bwd", "fwd_bwd"):
+        assert getattr(r, f"{p}_samples") >= 7 and getattr(r, f"{p}_iqr_ms") is not None, p
+    assert r.tries == 1 and isinstance(r.noisy, bool)
+
+
+def test_too_few_samples_is_noisy_and_says_why(tmp_path):
+    # max_run_time below one block: the point cannot take its samples and says so
+    (r,) = run(compose_cfg(*TINY, "measure.min_samples=1000", "measure.max_run_time=0.01"), output_dir=tmp_path).rows
+    assert r.noisy and "samples < measure.min_samples=1000" in r.noise_reasons and "max_run_time=0.01" in r.noise_reasons
+
+
+def test_noise_reasons():
+    opts = MeasureOptions(passes=("fwd", "fwd_bwd"))
+    quiet = dict(fwd_ms=1.0, fwd_iqr_ms=0.05, fwd_samples=9, fwd_bwd_ms=3.0, fwd_bwd_iqr_ms=0.1, fwd_bwd_samples=9,
+                 other_cpu_cores=0.02)
+    assert noise_reasons(quiet, opts) == []
+    assert noise_reasons({**quiet, "fwd_iqr_ms": 0.5}, opts) == [
+        "fwd: IQR 50% of the median > measure.max_rel_iqr=0.15"]
+    assert noise_reasons({**quiet, "fwd_ms": 111.9}, opts)[-1] == \
+        "forward 111.9 ms slower than forward+backward 3 ms"
+    assert noise_reasons({**quiet, "other_cpu_cores": 1.2}, opts) == [
+        "other processes kept 1.20 cores busy > measure.max_other_cores=0.25"]
+
+
+@pytest.fixture
+def burners():
+    """Two processes spinning on the CPU (this machine's cores, or two of a larger one)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_a_point_beside_a_cpu_burner_is_flagged_or_retried(tmp_path, burners):
+    (r,) = run(compose_cfg(*TINY), output_dir=tmp_path / "flag").rows
+    assert r.noisy and "other processes kept" in r.noise_reasons and r.tries == 1
+    rec = read_jsonl(tmp_path / "flag" / "results.jsonl")[0]
+    assert rec["noisy"] is True and rec["noise_reasons"] == r.noise_reasons
+    (r,) = run(compose_cfg(*TINY, "measure.on_noise=retry", "measure.max_tries=2"), output_dir=tmp_path / "retry").rows
+    assert r.tries == 2 and r.noisy  # measured again, still disturbed: kept the quieter, still flagged
+    status = json.loads((tmp_path / "retry" / "status.json").read_text())
+    assert status["noisy"] == 1
+
+
+def point(n: int, noisy: bool = False, **extra) -> dict:
+    return row("full", "sdpa", n, fwd=1e-3 * n, mem=64 * n, noisy=noisy,
+               noise_reasons="fwd: IQR 90% of the median > measure.max_rel_iqr=0.15" if noisy else None, **extra)
+
+
+def test_fits_leave_noisy_points_out_and_say_so():
+    rows = [point(256), point(512), point(1024, noisy=True), point(2048)]
+    for r in rows:
+        r["fwd_ms"] = 1e-3 * r["seq_len"] if not r["noisy"] else 99.0
+    fit = fit_exponents(rows)["fwd_ms"]
+    assert fit["seq_lens"] == [256, 512, 2048] and fit["left_out_noisy"] == [1024]
+    assert fit["fitted"] == pytest.approx(1.0)
+    assert fit_exponents(rows)["memory"]["seq_lens"] == [256, 512, 1024, 2048]  # memory is not timing
+
+
+def test_the_console_marks_noisy_points_and_fits_at_100_columns():
+    buf = io.StringIO()
+    console = Console(file=buf, width=100, color_system=None)  # the frame as a 100-column terminal shows it
+    display = Display("sliding_window[window=256]/blocksparse on cpu (AMD EPYC), float32, B=1 H=4 D=64 -> /d",
+                      2, console=console)
+    for n in (256, 65536):
+        display.add(Result.from_record(point(n, noisy=n == 256, fwd_iqr_ms=1e-5 * n, bwd_iqr_ms=2e-5 * n)))
+    display.add(Result.from_record(point(2**20, fwd_ms=22690.4, fwd_iqr_ms=1234.5, bwd_ms=45380.2, bwd_iqr_ms=99.9,
+                                         fwd_bwd_ms=68071.0, fwd_bwd_iqr_ms=0.5, peak_mem_bytes=12320 * 2**20,
+                                         tflops_fwd_bwd=0.123, out_rel_err=1.2e-7, other_cpu_cores=0.01)))
+    buf.seek(0)
+    buf.truncate()
+    console.print(display.view())
+    text = buf.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    body = [line.split() for line in text.splitlines() if line.strip().startswith(("256 ", "65536 "))]
+    assert [b[:2] for b in body] == [["256", "ok*"], ["65536", "ok"]], text  # N never wraps; noisy marked
+    assert body[1][2] == "65.54±0.66", text  # a number and its spread stay whole
+    widest = [line.split() for line in text.splitlines() if line.strip().startswith("1048576 ")]
+    assert widest == [["1048576", "ok", "22690±1234", "45380±100", "68071±0.5", "12320.0", "0.123", "1.2e-07",
+                       "0.01"]], text
+    assert "N=256 ok*: noisy: fwd: IQR 90%" in text
+    display.fits({"fwd_ms": {"fitted": 1.0, "theory": 1.0, "seq_lens": [65536], "left_out_noisy": [256]}})
+    assert "noisy N=256 left out" in display.fit_lines[0]
+
+
+def test_off_a_terminal_each_point_is_one_plain_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness", *TINY, "seq_lens=[32,48]", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[1:3]] == ["N=32 ok", "N=48 ok"] or \
+        [line.split(":")[0].rstrip("*") for line in lines[1:3]] == ["N=32 ok", "N=48 ok"], proc.stdout
+    assert not any("│" in line or "━" in line for line in lines), proc.stdout  # no table drawn
+
+
+# ----- compare ---------------------------------------------------------------------------------------
+
+def test_a_regression_needs_the_threshold_and_separate_iqr_intervals():
+    a = point(1024, fwd_bwd_ms=10.0, fwd_bwd_iqr_ms=0.4)
+    slower_clear = {**a, "fwd_bwd_ms": 12.0, "fwd_bwd_iqr_ms": 0.4}
+    slower_within = {**a, "fwd_bwd_ms": 12.0, "fwd_bwd_iqr_ms": 4.0}
+    assert judge("fwd_bwd_ms", a, slower_clear, 0.1)[1] == "REGRESSION"
+    assert judge("fwd_bwd_ms", a, slower_within, 0.1)[1] == "within noise"
+    assert judge("fwd_bwd_ms", a, {**slower_clear, "noisy": True}, 0.1)[1] == "noisy"
+    result = compare([a], [{**slower_clear, "noisy": True, "noise_reasons": "others"}], ["fwd_bwd_ms"], 0.1)
+    assert result["regressions"] == 0 and result["noisy"] == ["full/sdpa N=1024: noisy in B (others)"]
+    # memory has no spread: the threshold alone decides
+    assert judge("peak_mem_bytes", a, {**a, "peak_mem_bytes": 2 * a["peak_mem_bytes"]}, 0.1)[1] == "REGRESSION"
+
+
+def test_two_runs_of_the_same_code_compare_without_regression(tmp_path):
+    args = ("variant=sliding_window", "variant.window=16", "num_heads=1", "head_dim=16", "seq_lens=[64,128,256]",
+            "fidelity.enabled=false", "logger=none", "measure.min_run_time=0.1")
+    run(compose_cfg(*args), output_dir=tmp_path / "a")
+    run(compose_cfg(*args), output_dir=tmp_path / "b")
+    proc = subprocess.run([sys.executable, "-m", "harness.compare", str(tmp_path / "a"), str(tmp_path / "b"),
+                           "--fail-on-regression", "--metric", "fwd_ms,bwd_ms,fwd_bwd_ms"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ----- report ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the report draws, kept (not closed) for inspection."""
+    figures = {}
+
+    def keep(fig, path):
+        figures[path.stem] = fig
+        path.write_bytes(b"")
+        return path
+
+    monkeypatch.setattr(report, "_save", keep)
+    return figures
+
+
+def test_report_draws_noisy_points_hollow_iqr_bars_and_one_colour_per_series(tmp_path, drawn):
+    import matplotlib.colors as mcolors
+
+    rows = [point(n, noisy=n == 1024, fwd_iqr_ms=0.1) for n in (256, 512, 1024)]
+    rows += [row("sliding_window", "blocksparse", n, fwd=1e-4 * n, mem=8 * n, opt_window=64, out_rel_err=0.1)
+             for n in (256, 512, 1024)]
+    sweep = write_sweep(tmp_path / "s", [rows])
+    report.make_report(sweep, tmp_path / "out")
+    ax = drawn["fwd_ms"].axes[0]
+    markers = [line for line in ax.get_lines() if line.get_marker() == "o"]
+    hollow = [line for line in markers if mcolors.same_color(line.get_markerfacecolor(), "white")]
+    assert [list(line.get_xdata()) for line in hollow] == [[1024]]
+    assert ax.containers, "IQR error bars"
+    colour = {line.get_label(): line.get_color() for line in ax.get_lines() if not line.get_label().startswith("_")}
+    other = {line.get_label(): line.get_color() for line in drawn["out_rel_err"].axes[0].get_lines()
+             if not line.get_label().startswith("_")}
+    window = [k for k in colour if k.startswith("sliding_window")][0]
+    assert mcolors.same_color(colour[window], other["sliding_window/blocksparse"])
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "Noisy points" in html and "Every point" in html
+
+
+def test_a_pass_not_measured_is_not_full_failing_and_seeds_are_separate_series():
+    full = [row("full", "sdpa", n, fwd=1.0, mem=1, fwd_ms=None) for n in (256, 512)]  # fwd not measured
+    assert report.reference([full], "fwd_ms") == {}
+    assert report.reference([[row("full", "sdpa", 256, "oom")]], "fwd_ms") == {256: None}
+    from harness.collect import group_series, series_labels
+
+    seeds = [row("full", "sdpa", 256, fwd=1.0, mem=1, seed=s) for s in (0, 1)]
+    groups = group_series(seeds)
+    assert len(groups) == 2
+    assert sorted(series_labels(groups).values()) == ["full/sdpa seed=0", "full/sdpa seed=1"]
