@@ -74,6 +74,12 @@ class Settings:
     logger: Any = None  # harness.logger.LoggerConfig
     resume: bool = True
     retry: tuple[str, ...] = ()  # stored points with these statuses (or noisy) are measured again
+    stop_on_oom: bool = True  # after an oom/skipped point, the longer N are recorded skipped, not run
+    tokens_per_batch: int | None = None  # set: B = tokens_per_batch // N at each point (FA-2's shape)
+
+    def batch_at(self, seq_len: int) -> int:
+        """B at a point: batch_size, or tokens_per_batch // N when that is set."""
+        return self.batch_size if self.tokens_per_batch is None else self.tokens_per_batch // seq_len
 
     @property
     def torch_dtype(self):
@@ -86,7 +92,7 @@ class Settings:
 
 TOP_KEYS = ("variant", "seq_len", "seq_lens", "batch_size", "num_heads", "head_dim", "dtype", "device",
             "causal", "seed", "memory_budget_gb", "output_dir", "measure", "inputs", "fidelity", "task",
-            "logger", "resume", "retry")
+            "logger", "resume", "retry", "stop_on_oom", "tokens_per_batch", "model_dim")
 MEASURE_KEYS = tuple(f.name for f in dataclasses.fields(MeasureOptions))
 FIDELITY_KEYS = tuple(f.name for f in dataclasses.fields(FidelityOptions))
 
@@ -225,14 +231,22 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
     output_dir = cfg.get("output_dir")
     if output_dir is not None and not isinstance(output_dir, str):
         raise ConfigError(f"output_dir must be a path or null; got {output_dir!r}")
-    num_heads = _positive_int("num_heads", cfg.get("num_heads"))
+    num_heads = _heads(cfg)
+    seq_lens = _seq_lens(cfg)
+    tokens = cfg.get("tokens_per_batch")
+    if tokens is not None:
+        _positive_int("tokens_per_batch (or null: batch_size)", tokens)
+        if max(seq_lens) > tokens:
+            raise ConfigError(f"tokens_per_batch={tokens} holds no sequence of N={max(seq_lens)} (B = "
+                              f"tokens_per_batch // N would be 0); allowed: seq_lens up to {tokens}")
     variant = dict(variant)
     if "num_heads" in variant and variant["num_heads"] is None:
         variant["num_heads"] = num_heads  # linear share=none: one E_h, F_h per head of the workload
     return Settings(
         variant=variant,
-        seq_lens=_seq_lens(cfg),
-        batch_size=_positive_int("batch_size", cfg.get("batch_size")),
+        seq_lens=seq_lens,
+        batch_size=1 if tokens is not None and cfg.get("batch_size") is None else
+        _positive_int("batch_size", cfg.get("batch_size")),
         num_heads=num_heads,
         head_dim=_positive_int("head_dim", cfg.get("head_dim")),
         dtype=dtype,
@@ -248,7 +262,22 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
         logger=_logger(cfg.get("logger")),
         resume=_bool("resume", cfg.get("resume", True)),
         retry=_retry(cfg.get("retry")),
+        stop_on_oom=_bool("stop_on_oom", cfg.get("stop_on_oom", True)),
+        tokens_per_batch=tokens,
     )
+
+
+def _heads(cfg: Mapping[str, Any]) -> int:
+    """num_heads, or model_dim // head_dim when model_dim (the hidden size) is set."""
+    model_dim = cfg.get("model_dim")
+    if model_dim is None:
+        return _positive_int("num_heads", cfg.get("num_heads"))
+    head_dim = _positive_int("head_dim", cfg.get("head_dim"))
+    _positive_int("model_dim (or null: num_heads)", model_dim)
+    if model_dim % head_dim:
+        raise ConfigError(f"model_dim={model_dim} is not a multiple of head_dim={head_dim} (H = model_dim / "
+                          f"head_dim); allowed: head_dim dividing {model_dim}")
+    return model_dim // head_dim
 
 
 def _retry(x: Any) -> tuple[str, ...]:

@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -52,6 +52,7 @@ class Result:
     backend_ran: str | None  # the kernel that actually ran, where the backend chooses (full's auto)
     seq_len: int
     batch_size: int
+    tokens_per_batch: int | None  # set when B was tokens_per_batch // N (FA-2's shape: fixed tokens per batch)
     num_heads: int
     head_dim: int
     dtype: str
@@ -232,7 +233,8 @@ class Series(NamedTuple):
     causal: Any
     dtype: Any
     device: Any
-    shape: tuple[Any, Any, Any]  # (batch_size, num_heads, head_dim): a sweep may vary them too
+    shape: tuple[Any, Any, Any]  # (B, num_heads, head_dim): a sweep may vary them too; B is batch_size,
+    # or "<tokens>/N" for a fixed number of tokens per batch (one series whose B falls as N grows)
     seed: Any = 0
     inputs: Any = None
     task: Any = None
@@ -240,8 +242,13 @@ class Series(NamedTuple):
 
 def series_key(row: dict[str, Any]) -> Series:
     return Series(row.get("variant"), row.get("backend"), options_of(row), row.get("causal"), row.get("dtype"),
-                  row.get("device"), (row.get("batch_size"), row.get("num_heads"), row.get("head_dim")),
+                  row.get("device"), (batch_label(row), row.get("num_heads"), row.get("head_dim")),
                   row.get("seed"), row.get("inputs"), row.get("task"))
+
+
+def batch_label(row: dict[str, Any]) -> Any:
+    tokens = row.get("tokens_per_batch")
+    return row.get("batch_size") if tokens is None else f"{tokens}/N"
 
 
 def point_key(row: dict[str, Any]) -> tuple:
@@ -292,28 +299,30 @@ class Contents:
         return f"{path}: damaged line(s) {lines}{more}{kept}"
 
 
-def parse_jsonl(text: str) -> Contents:
+def parse_jsonl(text: str, check: Callable[[Any], str | None] | None = None) -> Contents:
+    """``check``: why a parsed line is not a row (default ``row_problem``: a result row)."""
+    check = check or row_problem
     rows, damaged, recovered = [], [], []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            problem = row_problem(row)
+            problem = check(row)
         except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
             row, problem = None, f"not JSON ({getattr(err, 'msg', type(err).__name__)})"
         if problem is None:
             rows.append(row)
             continue
         damaged.append(Damaged(lineno, line, problem))
-        inner = _row_inside(line)
+        inner = _row_inside(line, check)
         if inner is not None:
             rows.append(inner)
             recovered.append(lineno)
     return Contents(rows, damaged, recovered)
 
 
-def _row_inside(line: str) -> dict[str, Any] | None:
+def _row_inside(line: str, check: Callable[[Any], str | None]) -> dict[str, Any] | None:
     """A whole valid row that a damaged line ends with: a line cut mid-write and then joined with the
     next row (the next append started without a newline) still holds that next row."""
     for start in (m.start() for m in re.finditer(r"\{", line) if m.start() > 0):
@@ -321,14 +330,15 @@ def _row_inside(line: str) -> dict[str, Any] | None:
             row = json.loads(line[start:])
         except json.JSONDecodeError:
             continue
-        if row_problem(row) is None:
+        if check(row) is None:
             return row
     return None
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The valid rows of a results.jsonl in file order (damaged lines left out: ``parse_jsonl`` says which)."""
-    return parse_jsonl(Path(path).read_text()).rows
+def read_jsonl(path: str | Path, check: Callable[[Any], str | None] | None = None) -> list[dict[str, Any]]:
+    """The valid rows of a results.jsonl in file order (damaged lines left out: ``parse_jsonl`` says which);
+    ``check`` for another kind of row (default: a result row)."""
+    return parse_jsonl(Path(path).read_text(), check).rows
 
 
 def _parse_cell(text: str) -> Any:

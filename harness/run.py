@@ -13,7 +13,7 @@ import gc
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -28,7 +28,7 @@ from .logger import sweep_group_name, wandb_run
 from .config import DEFAULT_BUDGET_SHARE, ConfigError, Settings, one_line, settings_from_config
 from .measure import measure_point, noise_reasons, timer_name
 from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, JobStatus, LockedError, Result, ResultStore,
-                      fit_exponents, latest, point_key, tflops, write_json)
+                      fit_exponents, latest, point_key, series_key, tflops, write_json)
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -193,7 +193,8 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
     options = tuple(dataclasses.asdict(attn.options).items())
     label = variant_label(attn)
     title = (f"{label} on {device.type} ({environment.device_name}), {settings.dtype}, "
-             f"B={settings.batch_size} H={settings.num_heads} D={settings.head_dim}"
+             f"B={settings.batch_size if settings.tokens_per_batch is None else f'{settings.tokens_per_batch}/N'} "
+             f"H={settings.num_heads} D={settings.head_dim}"
              f"{' causal' if settings.causal else ''} -> {out_dir}")
     config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     display = display or Display(title, len(settings.seq_lens), task=settings.task is not None)
@@ -203,6 +204,9 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
     kept = [Result.from_record(stored[key]) for key in wanted
             if key in stored and not retried(stored[key], settings.retry)]
     done: list[Result] = list(kept)
+    # This series' points in the directory, the run's lengths or not (stop_on_oom looks at all of them)
+    series = series_key(point_identity(attn, settings, device, settings.seq_lens[0], options))
+    series_rows = {key: row for key, row in stored.items() if series_key(row) == series}
     task_cache: dict[int, dict[str, Any]] = {}  # task.seq_len fixed: trained once, reused at every point
     try:
         status.update(done)
@@ -214,15 +218,19 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
             for row in kept:  # measured by an earlier run into this directory (and logged by it): shown
                 display.add(row)
             measured = {point_key(r.record()) for r in kept}
-            for key, seq_len in wanted.items():
+            # stop_on_oom: shortest first, and once a length does not fit the longer ones are not tried
+            order = sorted(wanted.items(), key=lambda item: item[1]) if settings.stop_on_oom else wanted.items()
+            for key, seq_len in order:
                 if key in measured:
                     continue
-                row = run_point(attn, settings, seq_len, device, environment, budget, options,
+                stop = stopped_by(series_rows.values(), seq_len) if settings.stop_on_oom else None
+                row = run_point(attn, settings, seq_len, device, environment, budget, options, stop=stop,
                                 on_phase=lambda phase, n=seq_len: display.phase(n, phase),
                                 task_log=lambda step, m, n=seq_len: logger.log_task_step(n, step, m),
                                 task_cache=task_cache)
                 for sink in (store, logger, display):  # each new row: written, logged, shown
                     sink.add(row)
+                series_rows[key] = row.record()
                 done.append(row)
                 status.update(done)
             fits = fit_exponents(done)
@@ -254,6 +262,19 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
     return Sweep(done, fits, out_dir)
 
 
+def stopped_by(rows: Iterable[Mapping[str, Any]], seq_len: int) -> str | None:
+    """Why ``seq_len`` is not run under stop_on_oom: the shortest shorter point of the series that ran
+    out of memory (oom) or was skipped for it, if any."""
+    first = min((r for r in rows if r["status"] in ("oom", "skipped") and r["seq_len"] < seq_len),
+                key=lambda r: r["seq_len"], default=None)
+    if first is None:
+        return None
+    reason = first.get("reason") or ""
+    cause = reason.split(" (stop_on_oom")[0] if reason.startswith("not run:") else (
+        f"not run: N={first['seq_len']} was {first['status']}")
+    return f"{cause} (stop_on_oom: a longer sequence needs more memory; stop_on_oom=false runs it anyway)"
+
+
 def variant_label(attn: variants.Attention) -> str:
     """``name[option=value,...]/backend``: the variant as configured, for titles, wandb names and grouping."""
     shown = ",".join(f"{k}={v}" for k, v in sorted(dataclasses.asdict(attn.options).items())
@@ -270,8 +291,8 @@ def point_identity(attn: variants.Attention, s: Settings, device: torch.device, 
                    options: tuple = ()) -> dict[str, Any]:
     """The fields that say which measurement a point is: the start of its record, and (with the options)
     what ``results.point_key`` compares."""
-    return dict(variant=attn.name, backend=attn.backend, seq_len=seq_len, batch_size=s.batch_size,
-                num_heads=s.num_heads, head_dim=s.head_dim, dtype=s.dtype, device=device.type, causal=s.causal,
+    return dict(variant=attn.name, backend=attn.backend, seq_len=seq_len, batch_size=s.batch_at(seq_len),
+                tokens_per_batch=s.tokens_per_batch, num_heads=s.num_heads, head_dim=s.head_dim, dtype=s.dtype, device=device.type, causal=s.causal,
                 seed=s.seed, inputs=s.inputs if s.fidelity.enabled else None,
                 task="mqar" if s.task is not None else None,
                 **{f"{OPT_PREFIX}{k}": v for k, v in options})
@@ -291,8 +312,11 @@ def sweep_group(s: Settings) -> str | None:
 
 def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device,
               environment: envmod.Environment, budget: int | None, options: tuple,
-              on_phase=lambda phase: None, task_log=None, task_cache: dict | None = None) -> Result:
-    B, H, N, D = s.batch_size, s.num_heads, seq_len, s.head_dim
+              on_phase=lambda phase: None, task_log=None, task_cache: dict | None = None,
+              stop: str | None = None) -> Result:
+    """One point measured (or, with ``stop``, recorded skipped with that reason): never raises for a
+    failure of the point itself."""
+    B, H, N, D = s.batch_at(seq_len), s.num_heads, seq_len, s.head_dim
     element_size = torch.empty((), dtype=s.torch_dtype).element_size()
     rec: dict[str, Any] = dict.fromkeys(FIELDS)
     rec.update(**point_identity(attn, s, device, N), status="ok", timer=timer_name(device, s.measure),
@@ -305,7 +329,9 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
                    analytic_mem_bytes=attn.memory_bytes(B, H, N, D, element_size, s.causal))
         # q, k, v and the output gradient are allocated too; the analytic figure counts only the extra.
         needed = rec["analytic_mem_bytes"] + 4 * B * H * N * D * element_size
-        if budget is not None and needed > budget:
+        if stop is not None:
+            rec.update(status="skipped", reason=stop)
+        elif budget is not None and needed > budget:
             rec.update(status="skipped",
                        reason=f"analytic memory {needed / 1e9:.3g} GB (inputs included) exceeds the memory "
                               f"budget {budget / 1e9:.3g} GB (memory_budget_gb)")
@@ -350,7 +376,7 @@ def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device
         # failure (an OOM in the backward) is kept by the caller
         load = envmod.OtherLoad()
         load.start()
-        measure_point(attn, batch_size=s.batch_size, num_heads=s.num_heads, seq_len=seq_len, head_dim=s.head_dim,
+        measure_point(attn, batch_size=s.batch_at(seq_len), num_heads=s.num_heads, seq_len=seq_len, head_dim=s.head_dim,
                       dtype=s.torch_dtype, device=device, causal=s.causal, seed=s.seed, opts=s.measure,
                       record=attempt, on_phase=on_phase if tries == 1 else lambda p, t=tries: on_phase(f"{p} (try {t})"))
         attempt["other_cpu_cores"] = load.stop()

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Download, here (PyPI reachable), the wheels the GPU machine lacks, for scripts/gpu_job.sh to install
-# there with --no-index (that machine reaches no network).
+# Download, where PyPI is reachable, the wheels an offline GPU node lacks, for scripts/gpu_job.sh to
+# install there with --no-index.
 #
 #   scripts/fetch_wheels.sh [--dest wheels] [--python-version 3.12] [--torch 2.11] [--no-wandb] [--no-xformers]
 #
-# What the GPU machine has (/work/.library/device/KINDS.md, read 2026-11-17): python3 3.12.3,
-# torch 2.11.0+cu130, triton 3.6.0, numpy, matplotlib, rich, PyYAML, packaging, requests, protobuf,
-# click, xxhash, pytest, joblib, cloudpickle. It lacks what the harness imports (hydra-core, omegaconf,
-# antlr4-python3-runtime), the GPU backend xformers, and wandb with part of its dependency tree. Only
-# those are fetched: a second version of a package the machine already has could shadow it.
+# What an offline GPU node typically has: python3 with torch (CUDA build), triton, numpy, matplotlib,
+# rich, PyYAML, packaging, requests, protobuf, click, xxhash, pytest, joblib, cloudpickle. It lacks what
+# the harness imports (hydra-core, omegaconf, antlr4-python3-runtime), the GPU backend xformers, and
+# wandb with part of its dependency tree. Only those are fetched: a second version of a package the node
+# already has could shadow it. --python-version and --torch describe the node (defaults: 3.12, 2.11).
 #
 # Versions are the ones this project's CPU venv runs and tests (pyproject's ranges resolve to them):
 #   hydra-core 1.3.8, omegaconf 2.3.1, antlr4-python3-runtime 4.9.3 (PyPI has only an sdist: it is
@@ -20,11 +20,10 @@
 #   libcudart.so.12, so on torch 2.11+cu130 it may fail to load with a warning while
 #   memory_efficient_attention still runs. --torch only checks that the machine's torch meets the
 #   wheel's requirement (>= 2.10); for an older torch pick another version with XFORMERS_VERSION=...
-# Sizes (measured 2026-11-22): 26 wheels, 27.1 MiB together (wandb 19.4 MiB, pydantic-core 2.2, xformers 3.1
-#   MiB), under the device tool's 64 MiB carry limit with the ~0.5 MiB working tree. The script prints
-#   the total and fails if it exceeds LIMIT_MIB (default 60).
+# Sizes (measured 2026-11-22): 26 wheels, 27.1 MiB together (wandb 19.4 MiB, pydantic-core 2.2, xformers
+#   3.1 MiB). The script prints the total and fails if it exceeds LIMIT_MIB (default 60).
 #
-# The folder is ignored by git (.gitignore: wheels/) and carried to the GPU machine with carry=["wheels"].
+# The folder is ignored by git (.gitignore: wheels/); copy it to the GPU node with the repository.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,7 +49,7 @@ done
 # xformers 0.0.35 needs torch >= 2.10.
 if [ "$XFORMERS" = 1 ] && [ "$XFORMERS_VERSION" = 0.0.35 ]; then
     if ! python3 -c "import sys; t=tuple(int(x) for x in sys.argv[1].split('.')[:2]); sys.exit(t < (2, 10))" "$TORCH"; then
-        echo "fetch_wheels.sh: xformers $XFORMERS_VERSION needs torch >= 2.10, the GPU machine has $TORCH;" \
+        echo "fetch_wheels.sh: xformers $XFORMERS_VERSION needs torch >= 2.10, the GPU node has $TORCH;" \
              "set XFORMERS_VERSION to one built for it, or pass --no-xformers" >&2
         exit 2
     fi
@@ -58,7 +57,7 @@ fi
 
 CORE=(hydra-core==1.3.8 omegaconf==2.3.1 hydra-submitit-launcher==1.2.0 hydra-joblib-launcher==1.2.0
       submitit==1.5.4)
-# wandb 0.31.0's requirements, less those the GPU machine already has (click, packaging, protobuf,
+# wandb 0.31.0's requirements, less those an offline GPU node usually has (click, packaging, protobuf,
 # pyyaml, requests, typing-extensions, xxhash, anyio, httpx, certifi, idna, urllib3, ...).
 WANDB_TREE=(wandb==0.31.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0
             typing-inspection==0.4.5 platformdirs==4.14.7 cwevals==0.0.1b1 distro==1.9.0 sniffio==1.3.1
@@ -87,7 +86,7 @@ fi
 [ "$WANDB" = 1 ] || rm -f "$DEST"/wandb-*.whl
 [ "$XFORMERS" = 1 ] || rm -f "$DEST"/xformers-*.whl
 
-# One version of each: two stop the whole install on the GPU machine.
+# One version of each: two stop the whole install on the GPU node.
 dups=$(ls "$DEST"/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z_' 'a-z-' | sort | uniq -d)
 if [ -n "$dups" ]; then
     echo "fetch_wheels.sh: more than one wheel of: $dups (remove the older from $DEST)" >&2
@@ -96,8 +95,8 @@ fi
 ls -l "$DEST"/*.whl | awk '{printf "%8.2f MiB  %s\n", $5 / 1048576, $9}'
 total=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
 tree=$( (git ls-files; git ls-files --others --exclude-standard) | tr '\n' '\0' | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
-printf 'wheels: %.2f MiB; working tree that travels: %.2f MiB; together %.2f MiB of the 64 MiB carry limit\n' \
-    "$(echo "$total / 1048576" | bc -l)" "$(echo "$tree / 1048576" | bc -l)" "$(echo "($total + $tree) / 1048576" | bc -l)"
+printf 'wheels: %.2f MiB; the working tree beside them: %.2f MiB\n' \
+    "$(echo "$total / 1048576" | bc -l)" "$(echo "$tree / 1048576" | bc -l)"
 if [ "$total" -gt $((LIMIT_MIB * 1048576)) ]; then
     echo "fetch_wheels.sh: the wheels exceed ${LIMIT_MIB} MiB; drop one with --no-wandb or --no-xformers" >&2
     exit 1

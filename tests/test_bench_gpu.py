@@ -1,195 +1,129 @@
-"""scripts/bench_gpu.py end to end on CPU (--smoke), and the GPU job's shell scripts.
+"""The GPU job end to end on CPU: scripts/gpu_job.sh running scripts/bench_gpu.py --smoke.
 
-The smoke run is the GPU benchmark's own code path at tiny sizes in float32: every variant × every CPU
-backend through harness.run.run, the Table 21 memory check, the FA-2 shape TFLOP/s, the comparisons
-and the targets. What needs CUDA (the matmul roof, raw do_bench, xformers, FlexAttention's backward)
-must be recorded as skipped, never as met or missed, and every number SUMMARY.md shows must be the one
-in the results files.
+The dry run is the GPU benchmark's own code at tiny sizes in float32: the harness's sweeps (the
+seq_len_scaling and fa2_full presets) for a few variants × every CPU backend, the comparisons in one
+process, the summary and harness.report's reports. What needs CUDA (the matmul roof, Table 21 in fp16,
+raw do_bench, xformers, FlexAttention's backward) must be recorded as skipped, never as met or missed,
+and every number SUMMARY.md shows must be the one in the results files.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
 import variants
-from harness.results import FIELDS, read_jsonl
+from harness.results import FIELDS, fit_exponents, latest, load_rows, read_jsonl
 
 from .conftest import ROOT
 
-SCRIPT = ROOT / "scripts" / "bench_gpu.py"
-MiB = 2**20
+LABELS = ("full", "linear", "blockwise-local")  # few: each sweep is a process of its own
 SMOKE_N = (128, 256)
-# Every variant of conf/variant/ at its defaults (sparse: every pattern; blockwise: both modes).
-A_LABELS = {"full": ("full", {}), "sliding_window": ("sliding_window", {}), "linear": ("linear", {}),
-            "blockwise-local": ("blockwise", {"mode": "local"}), "blockwise-exact": ("blockwise", {"mode": "exact"}),
-            "sparse-fixed": ("sparse", {"pattern": "fixed"}), "sparse-strided": ("sparse", {"pattern": "strided"}),
-            "sparse-bigbird": ("sparse", {"pattern": "bigbird"})}
-CUDA_TARGETS = {"full_roof", "math_memory", "overhead", "compare_sliding_window", "compare_sparse-fixed",
-                "compare_sparse-strided", "compare_sparse-bigbird"}
 
 
-def bench(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+def job(tmp, *extra_env: tuple[str, str], args: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(tmp / "out"), "BENCH_DIR": str(tmp / "bench"), "SKIP_WHEELS": "1",
+           "SKIP_TESTS": "1", "PYTHON": sys.executable, "BENCH_ARGS": f"--smoke --variants {','.join(LABELS)} {args}",
+           "WANDB_MODE": "disabled", **dict(extra_env)}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_job.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-3000:]
     return proc
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_gpu")
-    proc = bench("--smoke", "--out", str(out), "--threads", "1")
-    return out, proc.stdout
+    tmp = tmp_path_factory.mktemp("gpu_job")
+    return tmp, job(tmp).stdout
 
 
-def expected_series() -> set[str]:
-    return {f"{label}__{b}" for label, (name, o) in A_LABELS.items()
-            for b in variants.build(name, **o).available_backends("cpu")}
+def test_the_job_completes_and_brings_back_a_few_files(smoke):
+    tmp, stdout = smoke
+    assert stdout.rstrip().splitlines()[-1].startswith("gpu_job: complete")
+    assert sorted(p.name for p in (tmp / "out").iterdir()) == ["SUMMARY.md", "job.log", "results.tar.gz"]
+    with tarfile.open(tmp / "out" / "results.tar.gz") as tar:
+        names = tar.getnames()
+    assert "bench/SUMMARY.md" in names and "bench/summary.json" in names and "bench/d/compare.jsonl" in names
+    state = json.loads((tmp / "bench" / "state.json").read_text())
+    assert set(state.values()) == {"complete"} and {"roof", "c", "d", "a:full", "a:full:n2"} <= set(state)
+    assert json.loads((tmp / "bench" / "roof.json").read_text())["status"] == "skipped: needs CUDA"
 
 
-def md_rows(md: str, heading: str) -> list[list[str]]:
-    """The rows of the first markdown table after ``heading`` (header row dropped)."""
-    lines = md.split(heading, 1)[1].splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
-    rows = []
-    for line in lines[start + 2:]:  # past the header and the |---| line
-        if not line.startswith("|"):
-            break
-        rows.append([c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]])
-    return rows
-
-
-def md_table(md: str, heading: str) -> dict[str, list[str]]:
-    """First cell -> the other cells."""
-    return {r[0]: r[1:] for r in md_rows(md, heading)}
-
-
-def test_smoke_writes_every_file_and_completes(smoke):
-    out, _ = smoke
-    for name in ("SUMMARY.md", "summary.json", "state.json", "env.json", "a_time.png", "a_memory.png", "c_tflops.png",
-                 "c/roof.json", "d/compare.jsonl", "d/overhead.json"):
-        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
-    state = json.loads((out / "state.json").read_text())
-    assert all(state["parts"][p]["complete"] for p in "abcd"), state
-    roof = json.loads((out / "c" / "roof.json").read_text())
-    assert roof["status"] == "skipped: needs CUDA"
-
-
-def test_every_variant_and_backend_is_measured_by_the_harness(smoke):
-    out, _ = smoke
-    want = expected_series()
-    assert {p.name for p in (out / "a").iterdir()} == want
-    for key in want:
-        rows = read_jsonl(out / "a" / key / "results.jsonl")
-        assert sorted(r["seq_len"] for r in rows) == list(SMOKE_N), key
+def test_every_variant_and_backend_is_a_harness_sweep_stopped_at_nothing(smoke):
+    tmp, _ = smoke
+    for label, (name, opts) in {"full": ("full", {}), "linear": ("linear", {}),
+                                "blockwise-local": ("blockwise", {"mode": "local"})}.items():
+        rows = latest(load_rows(tmp / "bench" / "a" / label))
+        want = set(variants.build(name, **opts).available_backends("cpu"))
+        assert {r["backend"] for r in rows} == want, label
         for r in rows:
-            assert set(FIELDS) <= set(r)  # the harness's own rows
-            assert r["status"] == "ok", (key, r["reason"])
-            assert (r["batch_size"], r["num_heads"], r["head_dim"], r["dtype"]) == (1, 2, 16, "float32")
-            assert r["timer"] == "torch.utils.benchmark.blocked_autorange"
-            assert (r["variant"], r["backend"]) == (A_LABELS[key.split("__")[0]][0], key.split("__")[1])
-        assert (out / "a" / key / "env.json").exists()  # written by harness.run.run
-    # Part c: every full backend, D = 32 and 16, causal and not; B = 256 tokens / N, H = 64 / D.
-    full = variants.build("full").available_backends("cpu")
-    c_keys = {p.name for p in (out / "c").iterdir() if p.is_dir()}
-    assert c_keys == {f"D{d}-{c}__{b}" for d in (32, 16) for c in ("bidir", "causal") for b in full}
-    for key in c_keys:
-        d = int(key[1:].split("-")[0])
-        for r in read_jsonl(out / "c" / key / "results.jsonl"):
-            assert (r["batch_size"], r["num_heads"], r["causal"]) == (256 // r["seq_len"], 64 // d, "causal" in key)
+            assert set(FIELDS) <= set(r) and r["status"] == "ok", (label, r["reason"])
+            assert (r["variant"], r["batch_size"], r["num_heads"], r["head_dim"], r["dtype"]) == (name, 1, 2, 16, "float32")
+        assert sorted(r["seq_len"] for r in rows if r["backend"] == sorted(want)[0]) == list(SMOKE_N)
+    assert (tmp / "bench" / "a" / "report" / "report.html").is_file()
+    # c: every full backend, D = 16 and 32, causal and not; B = 256 tokens / N, H = 64 / D.
+    rows = latest(load_rows(tmp / "bench" / "c"))
+    full = set(variants.build("full").available_backends("cpu"))
+    assert {(r["backend"], r["head_dim"], r["causal"]) for r in rows} == {
+        (b, d, c) for b in full for d in (16, 32) for c in (False, True)}
+    assert all((r["batch_size"], r["num_heads"], r["tokens_per_batch"]) == (256 // r["seq_len"], 64 // r["head_dim"], 256)
+               for r in rows)
 
 
-def test_summary_tables_hold_every_series_and_the_numbers_of_the_results(smoke):
-    out, _ = smoke
-    md = (out / "SUMMARY.md").read_text()
-    times = md_table(md, "### Forward+backward time, ms (median)")
-    memory = md_table(md, "### Peak memory of forward+backward, MiB")
-    frontier = md_table(md, "### OOM frontier")
-    assert set(times) == set(memory) == set(frontier) == expected_series()
-    for key in times:
-        rows = {r["seq_len"]: r for r in read_jsonl(out / "a" / key / "results.jsonl")}
-        assert times[key] == [f"{rows[n]['fwd_bwd_ms']:.4g}" for n in SMOKE_N], key
-        assert memory[key] == [f"{rows[n]['peak_mem_bytes'] / MiB:.1f}" for n in SMOKE_N], key
-        assert frontier[key][0] == "256"
-    tflops = md_table(md, "### TFLOP/s, forward (")
-    assert set(tflops) == {p.name for p in (out / "c").iterdir() if p.is_dir()}
-    for key, cells in tflops.items():
-        rows = {r["seq_len"]: r for r in read_jsonl(out / "c" / key / "results.jsonl")}
-        assert cells == [f"{rows[n]['tflops_fwd']:.4g}" for n in SMOKE_N], key
-    mem = md_table(md, "## B. full math peak memory")
-    math_rows = {r["seq_len"]: r for r in read_jsonl(out / "a" / "full__math" / "results.jsonl")}
-    for n in SMOKE_N:
-        r = math_rows[n]
-        measured = r["peak_mem_bytes"] + 4 * 1 * 2 * n * 16 * 4  # + q, k, v, dout in float32
-        formula = 4 * 1 * 2 * n * n * 2 + 10 * 1 * 2 * n * 16 * 2
-        assert mem[str(n)] == ["ok", f"{measured / MiB:.1f}", f"{formula / MiB:.1f}", f"{measured / formula:.3f}"]
-    # Comparisons: every timed kernel's line carries the number of d/compare.jsonl.
-    timed = [tuple(r[:6]) for r in md_rows(md, "Every kernel timed:")]
-    compare = [json.loads(line) for line in (out / "d" / "compare.jsonl").read_text().splitlines()]
-    assert compare and len(timed) == len(compare)
-    for r in compare:
-        ms = "-" if r["fwd_bwd_ms"] is None else f"{r['fwd_bwd_ms']:.4g}"
-        assert (r["label"], str(r["seq_len"]), r["kind"], r["name"], r["status"], ms) in timed, r
-    # summary.json says what SUMMARY.md says.
-    summary = json.loads((out / "summary.json").read_text())
-    for key, pts in summary["a"].items():
-        rows = {r["seq_len"]: r for r in read_jsonl(out / "a" / key / "results.jsonl")}
-        assert {int(n): p["fwd_bwd_ms"] for n, p in pts.items()} == {n: r["fwd_bwd_ms"] for n, r in rows.items()}
-
-
-def test_targets_needing_cuda_are_skipped_not_judged(smoke):
-    out, stdout = smoke
-    summary = json.loads((out / "summary.json").read_text())
-    targets = {t["id"]: t for t in summary["targets"]}
-    assert set(targets) == CUDA_TARGETS | {"compare_blockwise-local", "exponent_sliding_window", "exponent_linear"}
-    for tid in CUDA_TARGETS:
-        assert targets[tid]["status"] == "skipped" and "needs CUDA" in targets[tid]["detail"], targets[tid]
-    # What runs on CPU is judged: blockwise local against SDPA on its blocks, and the exponents.
-    for tid in ("compare_blockwise-local", "exponent_sliding_window", "exponent_linear"):
-        assert targets[tid]["status"] in ("met", "missed") and targets[tid]["value"] is not None, targets[tid]
-    md = (out / "SUMMARY.md").read_text()
-    table = md_table(md, "## Targets")
-    assert len(table) == len(targets)
-    for t in summary["targets"]:
-        assert table[t["target"]][0] == f"**{t['status']}**"
-        assert f"target {t['id']}: {t['status']}" in stdout
+def test_summary_states_the_numbers_of_the_files_and_skips_what_needs_cuda(smoke):
+    tmp, stdout = smoke
+    summary = json.loads((tmp / "bench" / "summary.json").read_text())
+    md = (tmp / "bench" / "SUMMARY.md").read_text()
+    targets = {t["target"]: t for t in summary["targets"]}
+    for name in ("table21", "full_roof", "overhead"):
+        assert targets[name]["status"] == "skipped (needs CUDA)", targets[name]
+    # On CPU the blocks of blockwise local run through SDPA too: judged, with the ratio of the two rows.
+    bl = targets["compare_blockwise-local"]
+    compare = [json.loads(x) for x in (tmp / "bench" / "d" / "compare.jsonl").read_text().splitlines()]
+    ours = min((r for r in compare if r["label"] == "blockwise-local" and r["kind"] == "ours"), key=lambda r: r["fwd_bwd_ms"])
+    pub = min((r for r in compare if r["label"] == "blockwise-local" and r["kind"] == "public" and r["status"] == "ok"),
+              key=lambda r: r["fwd_bwd_ms"])
+    assert bl["status"] in ("met", "missed") and bl["value"] == pytest.approx(pub["fwd_bwd_ms"] / ours["fwd_bwd_ms"])
     lin = targets["exponent_linear"]
-    best = lin["detail"].split(":")[0]
-    rows = read_jsonl(out / "a" / best / "results.jsonl")
-    from harness.results import fit_exponents
+    rows = [r for r in load_rows(tmp / "bench" / "a" / "linear") if r["backend"] == "sdpa"]
+    assert lin["status"] in ("met", "missed") and f"sdpa: {fit_exponents(rows, 128, 256)['fwd_bwd_ms']['fitted']:.3f}" in lin["detail"]
+    for t in summary["targets"]:
+        assert f"| {t['text']} | **{t['status']}** |" in md and f"target {t['target']}: {t['status']}" in stdout
+    # Every kernel timed is in the summary, with its time as the file has it.
+    for r in compare:
+        ms = "-" if r.get("fwd_bwd_ms") is None else f"{r['fwd_bwd_ms']:.4g}"
+        assert re.search(rf"\| {re.escape(r['label'])} \| {re.escape(r['name'])} \| {r['status']} \| {re.escape(ms)} \|", md), r
 
-    assert lin["value"] == pytest.approx(fit_exponents(rows, 128, 256)["fwd_bwd_ms"]["fitted"])
-    assert f"{lin['value']:.3f}" in table[lin["target"]][1]
 
-
-def test_resume_point_cap_and_pending(tmp_path):
+def test_a_rerun_measures_nothing_again_and_a_spent_budget_resumes(smoke, tmp_path):
+    tmp, _ = smoke
+    before = {p: p.read_bytes() for p in (tmp / "bench").rglob("results.jsonl")}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--out",
+                           str(tmp / "bench"), "--variants", ",".join(LABELS)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "-m harness" not in proc.stdout, proc.stdout[-2000:]
+    assert {p: p.read_bytes() for p in (tmp / "bench").rglob("results.jsonl")} == before
+    # A budget spent before a sweep starts leaves it pending; the next call runs it.
     out = tmp_path / "b"
-    # The longer N of a series whose projected time exceeds --point-cap-s is recorded as skipped ...
-    bench("--smoke", "--threads", "1", "--out", str(out), "--parts", "a", "--only", "full__math", "--point-cap-s", "1e-9")
-    rows = read_jsonl(out / "a" / "full__math" / "results.jsonl")
-    assert [(r["seq_len"], r["status"]) for r in rows] == [(128, "ok"), (256, "skipped")]
-    assert "--point-cap-s" in rows[1]["reason"] and set(FIELDS) <= set(rows[1])
-    assert [p.name for p in (out / "a").iterdir()] == ["full__math"]
-    # ... a subset leaves the part incomplete, and a rerun measures nothing again.
-    assert bench("--smoke", "--out", str(out), "--pending").stdout.split() == ["a", "b", "c", "d"]
-    proc = bench("--smoke", "--threads", "1", "--out", str(out), "--parts", "a", "--only", "full__math")
-    assert "[a] full__math" not in proc.stdout
-    assert read_jsonl(out / "a" / "full__math" / "results.jsonl") == rows
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--out", str(out), "--steps", "c"]
+    assert subprocess.run(cmd + ["--budget-s", "1"], cwd=ROOT, capture_output=True, text=True).returncode == 0
+    pending = subprocess.run(cmd + ["--pending"], cwd=ROOT, capture_output=True, text=True)
+    assert pending.stdout.split() == ["c"]
+    bad = subprocess.run(cmd + ["--variants", "nope"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "allowed: full" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.parametrize("script", ["gpu_job.sh", "fetch_wheels.sh"])
-def test_shell_scripts_parse(script):
+def test_shell_scripts_parse_and_speak_of_the_project_only(script):
     path = ROOT / "scripts" / script
     proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     text = path.read_text()
-    if script == "gpu_job.sh":  # the documented call: carried wheels, one command, within the tool's limits
-        call = re.search(r'run\(command="([^"]+)", carry=\["wheels"\], timeout_s=600\)', text)
-        assert call and len(call.group(1)) <= 2000
-        assert "--no-index" in text and "-m gpu" in text and "bench_gpu.py" in text
+    assert not re.search(r"/work/|files_at|carry=|device tool", text)

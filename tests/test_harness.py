@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from harness import run as runmod
 from harness.memory import cpu_peak_bytes
-from harness.results import FIELDS, fit_exponents, read_jsonl
+from harness.results import FIELDS, fit_exponents, read_jsonl, series_key
 from harness.config import ConfigError
 from harness.run import run, validate
 from variants import VariantError
@@ -179,7 +179,7 @@ def test_full_math_memory_reproduces_the_n_squared_term(tmp_path):
 def test_point_over_memory_budget_is_skipped_and_the_next_runs(tmp_path):
     # full math at N=1024 needs about 3·2·1024²·4 bytes = 25 MB; N=64 about 0.1 MB. Budget: 1 MB.
     cfg = compose_cfg("variant=full", "variant.backend=math", "seq_lens=[1024,64]", "num_heads=2", "head_dim=16",
-                      "memory_budget_gb=0.001", "measure.min_run_time=0.01")
+                      "memory_budget_gb=0.001", "measure.min_run_time=0.01", "stop_on_oom=false")
     sweep = run(cfg, output_dir=tmp_path)
     rows = rows_of(tmp_path)
     assert [(r["seq_len"], r["status"]) for r in rows] == [(1024, "skipped"), (64, "ok")]
@@ -193,8 +193,8 @@ def test_error_at_one_point_is_recorded_and_others_run(tmp_path):
                       "num_heads=2", "head_dim=16", "measure.min_run_time=0.01")
     run(cfg, output_dir=tmp_path)
     rows = rows_of(tmp_path)
-    assert [(r["seq_len"], r["status"]) for r in rows] == [(128, "error"), (64, "ok")]
-    assert "128" in rows[0]["reason"] and "100" in rows[0]["reason"]
+    assert [(r["seq_len"], r["status"]) for r in rows] == [(64, "ok"), (128, "error")]  # shortest first
+    assert "128" in rows[1]["reason"] and "100" in rows[1]["reason"]
 
 
 def test_out_of_memory_is_recorded_as_oom(tmp_path, monkeypatch):
@@ -207,11 +207,60 @@ def test_out_of_memory_is_recorded_as_oom(tmp_path, monkeypatch):
         return real(attn, **kw)
 
     monkeypatch.setattr(runmod, "measure_point", oom_at_128)
-    cfg = compose_cfg("variant=full", "seq_lens=[128,64]", "num_heads=2", "head_dim=16", "measure.min_run_time=0.01")
+    cfg = compose_cfg("variant=full", "seq_lens=[128,64]", "num_heads=2", "head_dim=16", "measure.min_run_time=0.01",
+                      "stop_on_oom=false")
     run(cfg, output_dir=tmp_path)
     rows = rows_of(tmp_path)
     assert [(r["seq_len"], r["status"]) for r in rows] == [(128, "oom"), (64, "ok")]
     assert "out of memory" in rows[0]["reason"] and rows[0]["warmup_s"] == 0.5
+
+
+def test_stop_on_oom_records_the_longer_lengths_skipped_without_running_them(tmp_path, monkeypatch):
+    real, ran = runmod.measure_point, []
+
+    def oom_from_128(attn, **kw):
+        ran.append(kw["seq_len"])
+        if kw["seq_len"] >= 128:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(attn, **kw)
+
+    monkeypatch.setattr(runmod, "measure_point", oom_from_128)
+    common = ("variant=full", "num_heads=2", "head_dim=16", "measure.min_run_time=0.01", "logger=none")
+    run(compose_cfg(*common, "seq_lens=[256,64,128,512]"), output_dir=tmp_path)
+    rows = rows_of(tmp_path)
+    assert ran == [64, 128]  # shortest first; nothing tried after the first oom
+    assert [(r["seq_len"], r["status"]) for r in rows] == [(64, "ok"), (128, "oom"), (256, "skipped"), (512, "skipped")]
+    assert all(r["reason"].startswith("not run: N=128 was oom (stop_on_oom") for r in rows[2:])
+    # A rerun with a longer length: the stored oom still stops it (the directory's own rows count).
+    run(compose_cfg(*common, "seq_lens=[1024]"), output_dir=tmp_path)
+    assert ran == [64, 128] and rows_of(tmp_path)[-1]["reason"].startswith("not run: N=128 was oom")
+    # A budget skip stops a series too; stop_on_oom=false tries every length.
+    out = tmp_path / "budget"
+    run(compose_cfg("variant=full", "variant.backend=math", "seq_lens=[2048,64,1024]", "num_heads=2",
+                    "head_dim=16", "memory_budget_gb=0.001", "measure.min_run_time=0.01", "logger=none"), output_dir=out)
+    assert [(r["seq_len"], r["status"]) for r in rows_of(out)] == [(64, "ok"), (1024, "skipped"), (2048, "skipped")]
+    assert "memory_budget_gb" in rows_of(out)[1]["reason"] and "N=1024 was skipped" in rows_of(out)[2]["reason"]
+    ran.clear()
+    run(compose_cfg(*common, "seq_lens=[256,64,128]", "stop_on_oom=false"), output_dir=tmp_path / "all")
+    assert ran == [256, 64, 128]
+
+
+def test_tokens_per_batch_and_model_dim_set_b_and_h_per_point(tmp_path):
+    cfg = compose_cfg("variant=full", "seq_lens=[32,64,128]", "tokens_per_batch=256", "model_dim=64", "head_dim=16",
+                      "measure.min_run_time=0.01", "logger=none")
+    settings, _, _ = validate(cfg)
+    assert settings.num_heads == 4 and [settings.batch_at(n) for n in (32, 64, 128)] == [8, 4, 2]
+    sweep = run(cfg, output_dir=tmp_path)
+    rows = rows_of(tmp_path)
+    assert [(r["batch_size"], r["num_heads"], r["tokens_per_batch"]) for r in rows] == [(8, 4, 256), (4, 4, 256), (2, 4, 256)]
+    assert rows[0]["flops_fwd"] == 4 * 8 * 4 * 32 * 32 * 16  # the FLOPs of the point's own B
+    assert len({series_key(r) for r in rows}) == 1 and "fwd_bwd_ms" in sweep.fits  # one series, fitted
+    for bad, words in ((["tokens_per_batch=100"], ["tokens_per_batch=100", "N=128", "up to 100"]),
+                       (["model_dim=60"], ["model_dim=60", "head_dim=16"])):
+        with pytest.raises(ConfigError) as e:
+            validate(compose_cfg("variant=full", "seq_lens=[32,64,128]", "tokens_per_batch=256", "model_dim=64",
+                                 "head_dim=16", *bad))
+        assert all(w in str(e.value) for w in words), str(e.value)
 
 
 # ----- configuration and fits ----------------------------------------------------------------------
