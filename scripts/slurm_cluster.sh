@@ -34,6 +34,20 @@ DAEMONS=(slurmd slurmctld slurmdbd mariadbd munged)  # the order they stop in
 
 say() { echo "slurm_cluster: $*" >&2; }
 
+ours() {  # CLUSTER_DIR is missing, empty, or one this script made: safe to remove
+    [ ! -e "$CLUSTER_DIR" ] || [ -z "$(ls -A "$CLUSTER_DIR" 2> /dev/null)" ] ||
+        head -n 1 "$CONF" 2> /dev/null | grep -q "(scripts/slurm_cluster.sh)"
+}
+
+remove_dir() {
+    if ours; then
+        rm -rf "$CLUSTER_DIR"
+    else
+        say "$CLUSTER_DIR is not a cluster directory of this script; left as it is"
+        exit 2
+    fi
+}
+
 usage() {
     sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
 }
@@ -121,37 +135,39 @@ wait_for() {  # wait_for SECONDS WHAT COMMAND...: until the command succeeds
     done
 }
 
+any_alive() {  # any_alive PID...: whether one of them still runs
+    local pid
+    for pid in "$@"; do
+        kill -0 "$pid" 2> /dev/null && return 0
+    done
+    return 1
+}
+
 stop_daemons() {
-    local name pid t
+    local name pid jobs pids=() start=$SECONDS
     if [ -f "$CONF" ] && [ -n "$(pid_of slurmctld)" ]; then
-        # Jobs first: their processes are not the daemons' children and would outlive them.
-        SLURM_CONF="$CONF" timeout 10 scancel --full --quiet --state=PENDING,RUNNING,SUSPENDED \
-            --user="$(id -un)" > /dev/null 2>&1 || true
-        for name in $(SLURM_CONF="$CONF" timeout 10 squeue -h -o %A 2> /dev/null || true); do
-            SLURM_CONF="$CONF" timeout 10 scancel --full "$name" > /dev/null 2>&1 || true
-        done
-        t=0
-        while [ -n "$(SLURM_CONF="$CONF" timeout 10 squeue -h -o %A 2> /dev/null || true)" ] && [ "$t" -lt 50 ]; do
+        # Jobs first: their processes are not the daemons' children and would outlive them. A cancelled
+        # job gets SIGTERM, then SIGKILL KillWait (5) seconds later.
+        jobs="$(SLURM_CONF="$CONF" timeout 10 squeue -h -o %A 2> /dev/null | sort -u || true)"
+        [ -n "$jobs" ] && SLURM_CONF="$CONF" timeout 10 scancel $jobs > /dev/null 2>&1 || true
+        while [ -n "$jobs" ] && [ $((SECONDS - start)) -lt 15 ]; do
             sleep 0.2
-            t=$((t + 1))
+            jobs="$(SLURM_CONF="$CONF" timeout 10 squeue -h -o %A 2> /dev/null || true)"
         done
     fi
+    # Then every daemon at once (one after another takes 10 s; nothing of the cluster is kept).
     for name in "${DAEMONS[@]}"; do
         pid="$(pid_of "$name")"
         [ -n "$pid" ] || continue
+        pids+=("$pid")
         kill -TERM "$pid" 2> /dev/null || true
-        t=0
-        while kill -0 "$pid" 2> /dev/null && [ "$t" -lt 50 ]; do
-            sleep 0.2
-            t=$((t + 1))
-        done
-        kill -0 "$pid" 2> /dev/null && kill -KILL "$pid" 2> /dev/null || true
     done
-    # slurmstepd of a job killed with the cluster: anything still running from this directory's spool.
-    for pid in $(pgrep -f "slurmstepd" 2> /dev/null || true); do
-        if tr '\0' ' ' < "/proc/$pid/environ" 2> /dev/null | grep -q "SLURM_CONF=$CONF"; then
-            kill -KILL "$pid" 2> /dev/null || true
-        fi
+    start=$SECONDS
+    while [ ${#pids[@]} -gt 0 ] && any_alive "${pids[@]}" && [ $((SECONDS - start)) -lt 10 ]; do
+        sleep 0.2
+    done
+    for pid in ${pids[@]+"${pids[@]}"}; do
+        kill -KILL "$pid" 2> /dev/null || true
     done
 }
 
@@ -233,7 +249,13 @@ start() {
     fi
     install_packages
     [ "$(id -u)" = 0 ] || { say "the daemons run as root; run as root"; exit 3; }
-    [ -d "$CLUSTER_DIR" ] && { stop_daemons; rm -rf "$CLUSTER_DIR"; }
+    if [ -e "$CLUSTER_DIR" ]; then  # a cluster that is down or half up: from scratch
+        ours || { say "$CLUSTER_DIR exists and is not a cluster directory of this script; set CLUSTER_DIR"; exit 2; }
+        stop_daemons
+        remove_dir
+    fi
+    # A start that fails stops what it started (the logs stay in CLUSTER_DIR/log; `stop` removes them).
+    trap 'stop_daemons' ERR
     write_config
     export SLURM_CONF="$CONF"
     PATH="$PATH:/usr/sbin:/sbin"
@@ -262,6 +284,7 @@ start() {
     wait_for 30 slurmctld scontrol ping
     slurmd -N "$(awk -F'[= ]' '/^NodeName=/{print $2}' "$CONF")"
     wait_for 60 "the node (idle)" is_up
+    trap - ERR
     say "up: partition $PARTITION, $(SLURM_CONF="$CONF" sinfo -h -N -o '%N %c CPUs %m MB')"
     env_lines
 }
@@ -269,8 +292,9 @@ start() {
 case "${1:-}" in
     start) start ;;
     stop)
+        ours || { say "$CLUSTER_DIR is not a cluster directory of this script; nothing stopped"; exit 2; }
         stop_daemons
-        rm -rf "$CLUSTER_DIR"
+        remove_dir
         ;;
     env) env_lines ;;
     status) is_up ;;
