@@ -142,17 +142,20 @@ def test_cancelled_and_failed_jobs_are_said_and_the_same_command_resumes(cluster
     args = ["variant=full,linear", f"seq_lens=[{','.join(map(str, seq_lens))}]", "measure.min_run_time=0.5",
             f"hydra.sweep.dir={sweep_dir}"]
     p = sweep(cluster, *args)
+    signalled: set[str] = set()
     deadline = time.monotonic() + 120
-    while True:  # until each job has measured its first point
-        rows = rows_by_job(sweep_dir) if sweep_dir.is_dir() else {}
-        if len(rows) == 2 and all(rows.values()):
-            break
-        assert p.poll() is None and time.monotonic() < deadline, (p.poll(), rows)
-        time.sleep(0.2)
-    full_job, linear_job = array_jobs(sweep_dir)  # the sweep's order: job 0 is full, job 1 linear
-    slurm(cluster, "scancel", full_job)
-    # SIGKILL to the run itself (scancel --signal=KILL would be a plain cancel: SIGTERM first).
-    os.kill(json.loads((job_dirs(sweep_dir)["linear"] / "status.json").read_text())["pid"], signal.SIGKILL)
+    while len(signalled) < 2:  # each job, as soon as it has measured its first point
+        for variant, rows in (rows_by_job(sweep_dir) if sweep_dir.is_dir() else {}).items():
+            if rows and variant not in signalled:
+                full_job, linear_job = array_jobs(sweep_dir)  # the sweep's order: job 0 full, job 1 linear
+                if variant == "full":
+                    slurm(cluster, "scancel", full_job)
+                else:  # SIGKILL to the run itself (scancel --signal=KILL is a plain cancel: SIGTERM first)
+                    os.kill(json.loads((job_dirs(sweep_dir)["linear"] / "status.json").read_text())["pid"],
+                            signal.SIGKILL)
+                signalled.add(variant)
+        assert p.poll() is None and time.monotonic() < deadline, (p.poll(), signalled)
+        time.sleep(0.1)
     rc, out, err = finish(p)
     assert rc == 1, out[-2000:] + err[-3000:]
     assert "jobs: 2 (failed 1, interrupted 1)" in out, out[-2000:]
