@@ -79,7 +79,7 @@ install_packages() {
     say "installing ${PACKAGES[*]} (apt-get)"
     # The packages' own services are not started (no runlevel in a container; policy-rc.d where present).
     if ! { DEBIAN_FRONTEND=noninteractive apt-get update -q > "${TMPDIR:-/tmp}/slurm_cluster-apt.log" 2>&1 &&
-           DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${PACKAGES[@]}" \
+           DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends -o DPkg::Lock::Timeout=300 "${PACKAGES[@]}" \
                >> "${TMPDIR:-/tmp}/slurm_cluster-apt.log" 2>&1; }; then
         say "apt-get could not install ${PACKAGES[*]}: $(tail -n 1 "${TMPDIR:-/tmp}/slurm_cluster-apt.log")"
         exit 3
