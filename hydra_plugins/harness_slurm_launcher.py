@@ -15,6 +15,7 @@ imports nothing of the harness until a job has ended (Hydra imports every plugin
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,7 +41,10 @@ class SlurmLauncher(SubmititSlurmLauncher):
         base = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {self.config.hydra.sweep.dir}")
-        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        if "mode" in self.config.hydra.sweep:
+            os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
         nums = range(initial_job_idx, initial_job_idx + len(job_overrides))
         for num, overrides in zip(nums, job_overrides):
             log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
