@@ -248,7 +248,7 @@ start() {
         return 0
     fi
     install_packages
-    [ "$(id -u)" = 0 ] || { say "the daemons run as root; run as root"; exit 3; }
+    [ "$(id -u)" = 0 ] || { say "needs root (the daemons run as root; slurmd starts each job as its user)"; exit 3; }
     if [ -e "$CLUSTER_DIR" ]; then  # a cluster that is down or half up: from scratch
         ours || { say "$CLUSTER_DIR exists and is not a cluster directory of this script; set CLUSTER_DIR"; exit 2; }
         stop_daemons
