@@ -118,8 +118,8 @@ def precheck(argv: list[str]) -> str | None:
             return f"{cls.name}: unknown option {rest!r}; allowed: {', '.join(fields)}"
     multirun = bool(flags & MULTIRUN)
     # One job's config (a sweep's first values are not needed: its directory is all we check of it).
-    single = [a for a, o in zip(overrides, parsed)
-              if not o.is_sweep_override() and not a.lstrip("+~").startswith("hydra/")]
+    # Hydra's groups stay: hydra.launcher.partition=... exists only with hydra/launcher=slurm.
+    single = [a for a, o in zip(overrides, parsed) if not o.is_sweep_override()]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="harness"):
             cfg = compose(config_name="config", overrides=single, return_hydra_config=True)
@@ -162,6 +162,12 @@ def hydra_main(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        # A SLURM job (hydra/launcher=slurm): scancel and the time limit's SIGTERM end the run as on the
+        # command line (status interrupted, resumable), not ignored until the SIGKILL as submitit would.
+        import signal
+
+        signal.signal(signal.SIGTERM, terminate)
     try:
         run(cfg)  # into Hydra's output directory (HydraConfig.get().runtime.output_dir)
     except RunInterrupted as e:  # the directory's status says interrupted; a sweep stops here too

@@ -143,7 +143,12 @@ def hydra_launcher_cfg(launcher: str, *overrides: str) -> dict:
 
 def test_slurm_launcher_composes_and_makes_the_sbatch_script(tmp_path, monkeypatch):
     cfg = hydra_launcher_cfg("slurm", "hydra.launcher.partition=gpu")
-    assert cfg["_target_"] == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    # The plugin's launcher, waiting for every job (tests/test_slurm.py runs it on a real cluster).
+    assert cfg["_target_"] == "hydra_plugins.harness_slurm_launcher.SlurmLauncher"
+    from hydra_plugins.harness_slurm_launcher import SlurmLauncher
+    # By name: Hydra's plugin scan may have loaded the plugin's module afresh in this process.
+    assert "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher" in {
+        f"{c.__module__}.{c.__qualname__}" for c in SlurmLauncher.__mro__}
     assert cfg["partition"] == "gpu"
     assert cfg["gpus_per_node"] == 1
     assert isinstance(cfg["timeout_min"], int) and cfg["timeout_min"] > 0

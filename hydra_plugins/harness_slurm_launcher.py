@@ -1,0 +1,80 @@
+"""``hydra/launcher=slurm``: Hydra's submitit SLURM launcher, made to wait for every job and to say how
+each one ended.
+
+The plugin's own launcher waits for the jobs in order and raises at the first that produced no result,
+while the later ones still run, unwatched. Here every job is waited for; a job that ended without
+finishing its run (cancelled, killed, out of time or memory, a failing ``setup`` line: whatever SLURM's
+accounting says) is one line on stderr and, where its run could not say so itself, ``failed`` in its
+``status.json`` with SLURM's state as the reason. The sweep goes on to its summary
+(``scripts/sweep.sh``: "jobs: 2 (completed 1, failed 1)", exit 1), and the same command resumes it.
+
+It lives in the ``hydra_plugins`` namespace because Hydra instantiates launchers only from there; it
+imports nothing of the harness until a job has ended (Hydra imports every plugin at start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus as HydraJobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+class SlurmLauncher(SubmititSlurmLauncher):
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        import submitit
+
+        assert self.config is not None and self.hydra_context is not None
+        # The executor and its parameters as the plugin builds them (SubmititLauncher.launch).
+        params = dict(self.params)
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=params.pop("submitit_folder"),
+                                         slurm_max_num_timeout=params.pop("max_num_timeout"))
+        base = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
+        log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {self.config.hydra.sweep.dir}")
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        if "mode" in self.config.hydra.sweep:
+            os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
+        nums = range(initial_job_idx, initial_job_idx + len(job_overrides))
+        for num, overrides in zip(nums, job_overrides):
+            log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
+        jobs = executor.map_array(self, [list(o) for o in job_overrides], ["hydra.sweep.dir"] * len(nums),
+                                  list(nums), [f"job_id_for_{n}" for n in nums],
+                                  [Singleton.get_state()] * len(nums))
+        for job in jobs:  # every job ends before any is judged: none is left running unwatched
+            job.wait()
+        return [self._outcome(job, list(overrides), num) for job, overrides, num in zip(jobs, job_overrides, nums)]
+
+    def _outcome(self, job, overrides: list[str], num: int) -> JobReturn:
+        from submitit.core.utils import FailedJobError, UncompletedJobError
+
+        from harness.results import JobStatus, job_state
+
+        try:
+            return job.results()[0]
+        except FailedJobError as e:  # the run raised: it marked its status.json failed itself
+            last = [line for line in str(e).splitlines() if line.strip()][-1:] or ["?"]
+            reason = f"slurm job {job.job_id} raised {last[0].strip()} (log: {job.paths.stderr})"
+        except UncompletedJobError:  # no result: SLURM's accounting says why
+            state = job.get_info().get("State") or "UNKNOWN"
+            reason = (f"slurm job {job.job_id} ended {state} before its run finished (log: {job.paths.stderr}); "
+                      f"rerun the same command to resume")
+        sweep_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        job_dir = Path(str(sweep_cfg.hydra.sweep.dir)) / str(sweep_cfg.hydra.sweep.subdir)
+        info = job_state(job_dir)
+        if info.get("state") in ("gone", "no status"):  # the run could not say so itself
+            status = JobStatus(job_dir, info.get("points_total"))
+            status.info.update({k: v for k, v in info.items() if k in status.info and k != "error"})
+            status.finish("failed", reason)
+        print(f"error: job {num} ({sweep_cfg.hydra.job.override_dirname}): {reason}", file=sys.stderr)
+        return JobReturn(overrides=overrides, status=HydraJobStatus.COMPLETED, _return_value=None)
