@@ -3,7 +3,7 @@
 GPU: the CUDA caching allocator's peak (``max_memory_allocated``) after a reset, minus what was
 allocated before the call. CPU: PyTorch keeps no CPU allocator statistics, so we replay the profiler's
 allocation events (``profile_memory=True``): a running sum of every allocation and free in time order,
-whose maximum is the peak. Checked in ../shared/docs/measurement.md against theory (exact) and against
+whose maximum is the peak. Checked in docs/measurement.md against theory (exact) and against
 peak RSS in a fresh process (within 2%); unlike RSS it is not hidden by memory the C allocator keeps.
 """
 

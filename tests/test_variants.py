@@ -1,4 +1,4 @@
-"""Every variant and backend against the float64 dense reference from ../shared/docs/variants.md."""
+"""Every variant and backend against the float64 dense reference from docs/variants.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """FlexAttention backend (``flex``) for every mask-defined variant: one compiled kernel, any mask.
 
-The variant's element predicate ``allowed(i, j)`` (../shared/docs/variants.md; causality excluded)
+The variant's element predicate ``allowed(i, j)`` (docs/variants.md; causality excluded)
 becomes FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) = allowed(q_idx, kv_idx) [& kv_idx <= q_idx]``
 and, through it, a ``BlockMask`` of 128×128 tiles: empty tiles are skipped, full tiles run without the
 mask_mod, partial tiles (band edges, the ragged last block when N is not a multiple of 128) apply it

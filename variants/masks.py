@@ -3,7 +3,7 @@
 Written once, used three ways: the dense mask (test oracle, plots), the block layout that tells the
 block-sparse engine which key blocks each query block needs, and (on GPU) FlexAttention's mask_mod.
 Every predicate broadcasts over index tensors and excludes causality: callers add ``j <= i``.
-Conventions follow ../shared/docs/variants.md: windows are one-sided, blocks are I = i // b.
+Conventions follow docs/variants.md: windows are one-sided, blocks are I = i // b.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """sparse: block-sparse layouts: Sparse Transformer fixed and strided, and BigBird.
 
-Every pattern is a block layout over I = i // b, J = j // b (see ../shared/docs/variants.md):
+Every pattern is a block layout over I = i // b, J = j // b (see docs/variants.md):
 - fixed:   (I // L == J // L) or (J mod L ≥ L − c)
 - strided: (|I − J| < s) or ((I − J) mod s == 0)
 - bigbird: (|I − J| ≤ (w−1)/2) or I < g or J < g or J ∈ R(I), R(I) seeded, min(r, available) blocks

@@ -4,7 +4,7 @@ GPU only: on a CPU torch, xformers imports (warning that its extension did not l
 ``memory_efficient_attention`` call raises NotImplementedError. xformers is imported lazily, so the
 variants import and run without it.
 
-The mappings onto the contract (../shared/docs/variants.md), for square N×N attention; each is checked
+The mappings onto the contract (docs/variants.md), for square N×N attention; each is checked
 on CPU by ``bias.materialize((N, N))`` against the variant's own mask (tests/test_gpu_backends.py):
 - full: no bias; causal = ``LowerTriangularMask()`` (j ≤ i).
 - sliding_window, window w (one-sided, |i − j| ≤ w), dilation 1, no global tokens:
