@@ -80,8 +80,16 @@ def span_bias(i: Tensor, j: Tensor, z: Tensor, ramp: int, causal: bool) -> Tenso
     return bias.masked_fill(j > i, float("-inf")) if causal else bias
 
 
+def band_tile(seq_len: int, reach: int, causal: bool, chunk: int | None = None) -> tuple[int, int, int]:
+    """(chunk rows c, keys left and right of the chunk) of the band tile. When one tile row would be
+    at least as wide as the sequence (c + reach·2 ≥ N, short sequences or long spans), one chunk of all
+    N rows against the N keys holds the whole band with no padding: a tile of N·N ≤ N·(c + 2·reach)."""
+    c, left, right = min(chunk or CHUNK, seq_len), reach, 0 if causal else reach
+    return (seq_len, 0, 0) if c + left + right >= seq_len else (c, left, right)
+
+
 def band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: int, reach: int, causal: bool,
-                   scale: float, chunk: int = CHUNK) -> Tensor:
+                   scale: float, chunk: int | None = None) -> Tensor:
     """Attention on keys at distance ≤ ``reach`` only (every key with m > 0 when reach ≥ ⌈max z⌉ + R − 1).
 
     Query chunk t (rows t·c … t·c + c − 1) attends to the L = c + reach (+ reach, non-causal) keys
@@ -91,10 +99,9 @@ def band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: int, reach:
     O(N·L), forward and backward (autograd saves the gathered band and the tile probabilities).
     """
     B, H, N, D = q.shape
-    c = min(chunk, N)
+    c, left, right = band_tile(N, reach, causal, chunk)
     nc = -(-N // c)
     pad = nc * c - N  # padded query rows of the last chunk: computed, then dropped
-    left, right = reach, 0 if causal else reach
     L = c + left + right
     qc = F.pad(q * scale, (0, 0, 0, pad)).view(B, H, nc, c, D)  # (B, H, nc, c, D)
     kw = F.pad(k, (0, 0, left, pad + right)).unfold(2, L, c)  # (B, H, nc, D, L): chunk t's band of keys
@@ -175,9 +182,8 @@ class AdaptiveSpan(Attention):
 
     def band_shape(self, seq_len: int, causal: bool) -> tuple[int, int, int]:
         """(chunks, chunk rows, band columns) of the band backend's tile at this length."""
-        reach = min(self.reach(), seq_len - 1)
-        c = min(CHUNK, seq_len)
-        return -(-seq_len // c), c, c + reach * (1 if causal else 2)
+        c, left, right = band_tile(seq_len, min(self.reach(), seq_len - 1), causal)
+        return -(-seq_len // c), c, c + left + right
 
     def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
         if self.backend == "dense":
@@ -245,8 +251,8 @@ class AdaptiveSpan(Attention):
         q, k, v and z."""
         q, k, v = (t.double() for t in (q, k, v))
         B, H, N, D = q.shape
-        i = torch.arange(N)[:, None]
-        j = torch.arange(N)[None, :]
+        i = torch.arange(N, device=q.device)[:, None]
+        j = torch.arange(N, device=q.device)[None, :]
         x = distance(i, j, causal).double()
         m = soft_mask(x, self.spans(H).double()[:, None, None], self.options.ramp)  # (H, N, N)
         if causal:
@@ -260,4 +266,4 @@ class AdaptiveSpan(Attention):
         return super().extra_repr() + f", spans={[round(z, 2) for z in self.spans().detach().tolist()]}"
 
 
-__all__ = ["AdaptiveSpan", "AdaptiveSpanOptions", "soft_mask", "log_mask", "span_bias", "band_attention"]
+__all__ = ["AdaptiveSpan", "AdaptiveSpanOptions", "soft_mask", "log_mask", "span_bias", "band_tile", "band_attention"]
