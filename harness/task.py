@@ -230,7 +230,7 @@ def train_mqar(variant_name: str, variant_options: Mapping[str, Any] | None = No
             metrics = {"train_loss": loss_sum / loss_count,
                        **evaluate(model, eval_inputs, eval_targets, cfg.batch_size)}
             if spans:
-                metrics.update(span_penalty=float(penalty.detach()), **span_metrics(model))
+                metrics.update(span_penalty=float(span_penalty(model, cfg).detach()), **span_metrics(model))
             history.append({"step": step, **metrics})
             if log is not None:
                 log(step, metrics)
