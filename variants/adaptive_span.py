@@ -81,9 +81,10 @@ def span_bias(i: Tensor, j: Tensor, z: Tensor, ramp: int, causal: bool) -> Tenso
 
 
 def band_tile(seq_len: int, reach: int, causal: bool, chunk: int | None = None) -> tuple[int, int, int]:
-    """(chunk rows c, keys left and right of the chunk) of the band tile. When one tile row would be
-    at least as wide as the sequence (c + reach·2 ≥ N, short sequences or long spans), one chunk of all
-    N rows against the N keys holds the whole band with no padding: a tile of N·N ≤ N·(c + 2·reach)."""
+    """(chunk rows c, keys left and right of the chunk) of the band tile: c = 64 rows, ``reach`` keys
+    back and (non-causal) ahead. When a tile row would be at least as wide as the sequence (short
+    sequences or long spans), one chunk of all N rows against the N keys holds the whole band with no
+    padding: a tile of N·N ≤ N·(c + left + right)."""
     c, left, right = min(chunk or CHUNK, seq_len), reach, 0 if causal else reach
     return (seq_len, 0, 0) if c + left + right >= seq_len else (c, left, right)
 
@@ -93,8 +94,8 @@ def band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: int, reach:
     """Attention on keys at distance ≤ ``reach`` only (every key with m > 0 when reach ≥ ⌈max z⌉ + R − 1).
 
     Query chunk t (rows t·c … t·c + c − 1) attends to the L = c + reach (+ reach, non-causal) keys
-    around it, cut from k and v padded by ``reach`` on both sides with ``unfold`` (a view; no Python
-    loop over chunks). Row a of a chunk and column b of its band are at distance i − j = a − b + reach
+    around it (``band_tile``), cut from k and v padded on both sides with ``unfold`` (a view; no Python
+    loop over chunks). Row a of a chunk and column b of its band are at distance i − j = a − b + left
     whatever the chunk, so the log-mask is one (H, c, L) tile shared by every chunk. Time and memory
     O(N·L), forward and backward (autograd saves the gathered band and the tile probabilities).
     """
