@@ -21,6 +21,7 @@ from torch import Tensor
 import variants
 from harness.model import POSITIONS, TinyTransformer, query_loss
 from harness.mqar import IGNORE_INDEX, mqar_batch, validate
+from variants.adaptive_span import AdaptiveSpan
 
 Log = Callable[[int, dict[str, float]], None]
 
@@ -62,6 +63,9 @@ class MQARConfig:
     eval_every: int = 100
     eval_size: int = 256  # sequences in the fixed eval set
     seed: int = 0
+    # adaptive_span only: λ of the paper's span penalty λ/M·Σ_h z_h per layer (M heads), added to the
+    # loss; 2e-6 is the authors' coefficient for their small models (5e-7 for the large ones)
+    span_penalty: float = 2e-6
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "vocab_size", "num_kv_pairs", "num_queries", "d_model", "n_layers", "n_heads",
@@ -71,7 +75,7 @@ class MQARConfig:
             _check_int(name, getattr(self, name), 0)
         if self.d_mlp is not None:
             _check_int("d_mlp", self.d_mlp, 1)
-        for name in ("lr", "weight_decay", "grad_clip"):
+        for name in ("lr", "weight_decay", "grad_clip", "span_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
                     or value < 0 or (name == "lr" and value == 0):
@@ -130,6 +134,24 @@ def build_model(variant_name: str, variant_options: Mapping[str, Any], cfg: MQAR
                            positions=cfg.positions, short_conv=cfg.short_conv)
 
 
+def span_layers(model: torch.nn.Module) -> list[AdaptiveSpan]:
+    """The model's adaptive_span attentions, one per layer (empty for every other variant)."""
+    return [m for m in model.modules() if isinstance(m, AdaptiveSpan)]
+
+
+def span_penalty(model: torch.nn.Module, cfg: MQARConfig) -> Tensor:
+    """The paper's span loss: λ · Σ over layers of the mean span of the layer's heads (λ/M · Σ_h z_h);
+    0 for variants without learnable spans."""
+    layers = span_layers(model)
+    return cfg.span_penalty * sum((a.span_penalty() for a in layers), torch.zeros(()))
+
+
+def span_metrics(model: torch.nn.Module) -> dict[str, float]:
+    """Each head's current span, ``span_l<layer>_h<head>`` (tokens, clamped to [0, max_span])."""
+    return {f"span_l{layer}_h{h}": z for layer, a in enumerate(span_layers(model))
+            for h, z in enumerate(a.spans().detach().tolist())}
+
+
 def make_eval_set(cfg: MQARConfig) -> tuple[Tensor, Tensor]:
     """The fixed eval set: ``eval_size`` sequences from a generator seeded apart from the training data."""
     gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
@@ -163,17 +185,25 @@ def train_mqar(variant_name: str, variant_options: Mapping[str, Any] | None = No
     ``history`` (one dict per eval: step, train_loss averaged since the previous eval, eval_accuracy,
     eval_loss), ``chance_accuracy``, ``num_params``, ``causal`` and ``train_seconds``.
 
-    ``log(step, {"train_loss", "eval_accuracy", "eval_loss"})`` is called at every eval.
+    ``log(step, {"train_loss", "eval_accuracy", "eval_loss"})`` is called at every eval. With
+    adaptive_span the loss adds the span penalty (``span_penalty``), the metrics add it and every head's
+    span (``span_l<layer>_h<head>``), and the spans are trained as the paper does: kept in [0, max_span]
+    after each step, and stepped at lr·max_span (under Adam the same as the paper's parameter z/max_span
+    in [0, 1] at lr; at lr itself a span would move about one token in 300 steps).
     """
     cfg = cfg or MQARConfig()
     variant_options = dict(variant_options or {})
     with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG
         torch.manual_seed(cfg.seed)
         model = build_model(variant_name, variant_options, cfg).to(device)
+    spans = span_layers(model)
+    span_params = {id(a.z) for a in spans}
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    no_decay = [p for n, p in model.named_parameters()
+                if not (p.dim() >= 2 and "emb" not in n) and id(p) not in span_params]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups += [{"params": [a.z], "weight_decay": 0.0, "lr_scale": float(a.options.max_span or 1)} for a in spans]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98))
     eval_inputs, eval_targets = make_eval_set(cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
 
@@ -183,19 +213,24 @@ def train_mqar(variant_name: str, variant_options: Mapping[str, Any] | None = No
     model.train()
     for step in range(1, cfg.steps + 1):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step - 1, cfg)
+            group["lr"] = lr_at(step - 1, cfg) * group.get("lr_scale", 1.0)
         x, y = mqar_batch(cfg.batch_size, cfg.seq_len, cfg.vocab_size, cfg.num_kv_pairs, cfg.num_queries, gen)
         loss = query_loss(model(x.to(device)), y.to(device))
+        penalty = span_penalty(model, cfg).to(loss.device)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + penalty).backward()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
+        for a in spans:
+            a.clamp_spans_()
         loss_sum += float(loss.detach())
         loss_count += 1
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics = {"train_loss": loss_sum / loss_count,
                        **evaluate(model, eval_inputs, eval_targets, cfg.batch_size)}
+            if spans:
+                metrics.update(span_penalty=float(span_penalty(model, cfg).detach()), **span_metrics(model))
             history.append({"step": step, **metrics})
             if log is not None:
                 log(step, metrics)
@@ -212,5 +247,5 @@ def train_mqar(variant_name: str, variant_options: Mapping[str, Any] | None = No
     }
 
 
-__all__ = ["MQARConfig", "GPU_PRESET", "PRESETS", "lr_at", "build_model", "make_eval_set", "evaluate",
-           "train_mqar"]
+__all__ = ["MQARConfig", "GPU_PRESET", "PRESETS", "lr_at", "build_model", "span_layers", "span_penalty",
+           "span_metrics", "make_eval_set", "evaluate", "train_mqar"]

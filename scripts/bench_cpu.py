@@ -33,6 +33,8 @@ CONFIGS = {  # name -> overrides of conf/config.yaml
     "sliding_window": ["variant=sliding_window", "variant.window=256"],
     "sparse": ["variant=sparse", "variant.pattern=fixed"],
     "linear": ["variant=linear", "variant.proj_dim=256"],
+    # spans at init (S = 256): the reach of sliding_window's w=256 plus the ramp
+    "adaptive_span": ["variant=adaptive_span", "variant.max_span=256", "variant.ramp=32"],
 }
 WORKLOAD = ["batch_size=1", "num_heads=4", "head_dim=64", "dtype=float32", "device=cpu", "causal=false"]
 SEQ_LENS = [1024, 2048, 4096, 8192, 16384]

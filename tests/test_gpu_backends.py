@@ -165,7 +165,7 @@ def test_xformers_call_on_cpu_raises():
 
 # ----- CPU: asking for a GPU-only backend --------------------------------------------------------------
 GPU_ONLY = [(name, o, b) for name, o in [("full", {}), ("blockwise", {"mode": "exact"}), ("blockwise", {"mode": "local"}),
-                                          ("sliding_window", {"window": 4}), ("sparse", {})]
+                                          ("sliding_window", {"window": 4}), ("sparse", {}), ("adaptive_span", {})]
             for b, needs_cuda in variants.build(name, **o).backends.items()
             if needs_cuda and b in variants.build(name, **o).backend_names()]
 

@@ -34,6 +34,7 @@ def fwd_bwd_peak(attn, n):
     ("sliding_window", {"window": 64, "global_tokens": 16}, 1.6, 2.4),
     ("sparse", {"pattern": "bigbird", "block_size": 32}, 1.6, 2.4),  # constant blocks per row
     ("linear", {"proj_dim": 64, "max_seq_len": 2 * N}, 1.6, 2.4),
+    ("adaptive_span", {"max_span": 64, "ramp": 32}, 1.6, 2.4),  # band of 2·95 + 64 keys per row
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_peak_memory_scaling(name, options, low, high):
     attn = variants.build(name, **options)

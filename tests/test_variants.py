@@ -46,6 +46,9 @@ CASES = [
     ("linear", {"proj_dim": 16, "max_seq_len": 256}),
     ("linear", {"proj_dim": 16, "max_seq_len": 256, "share": "kv"}),
     ("linear", {"proj_dim": 8, "max_seq_len": 256, "share": "none", "num_heads": 2}),
+    ("adaptive_span", {"max_span": 0, "ramp": 1}),  # each query sees only itself
+    ("adaptive_span", {"max_span": 30, "ramp": 8, "init_span": 12.5, "num_heads": 2}),
+    ("adaptive_span", {"max_span": 300}),  # spans past N: full attention
 ]
 
 
@@ -153,7 +156,8 @@ def contract_mask(name, o, N, causal):
     return m & (j <= i) if causal else m
 
 
-MASK_CASES = [(n, o) for n, o in CASES if n != "linear" and o.get("pattern") != "bigbird"]
+# adaptive_span's mask is its soft mask's support, per head: tested in test_adaptive_span.py.
+MASK_CASES = [(n, o) for n, o in CASES if n not in ("linear", "adaptive_span") and o.get("pattern") != "bigbird"]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
@@ -278,7 +282,8 @@ def test_flops_and_facts():
 
 def test_build_matches_yaml_registry():
     names = {p.stem for p in VARIANT_YAMLS}
-    assert names == set(variants.REGISTRY) == {"full", "sparse", "blockwise", "sliding_window", "linear"}
+    assert names == set(variants.REGISTRY) == {"full", "sparse", "blockwise", "sliding_window", "linear",
+                                                "adaptive_span"}
     for path in VARIANT_YAMLS:
         assert type(from_yaml(path)) is variants.REGISTRY[path.stem]
 
@@ -286,7 +291,8 @@ def test_build_matches_yaml_registry():
 def test_analytic_memory_follows_causal():
     """A causal sweep must not budget (or fit a memory theory) for the future blocks it skips."""
     for name, options in [("sliding_window", {"window": 256}), ("sparse", {"pattern": "fixed"}),
-                          ("blockwise", {"mode": "local", "backend": "dense"}), ("full", {"backend": "math"})]:
+                          ("blockwise", {"mode": "local", "backend": "dense"}), ("full", {"backend": "math"}),
+                          ("adaptive_span", {"max_span": 256})]:
         attn = variants.build(name, **options)
         bidir, causal = (attn.memory_bytes(1, 4, 4096, 64, 4, causal=c) for c in (False, True))
         if attn.executed_pairs(4096, True) < attn.executed_pairs(4096, False):
@@ -353,7 +359,7 @@ def test_efficient_paths_build_no_dense_mask(monkeypatch):
 # ----- bad input: one clear error naming the option and the allowed values ---------------------------
 @pytest.mark.parametrize("name,options,expect", [
     ("sliding_window", {"windw": 3}, "unknown option 'windw'; allowed: window, dilation, global_tokens"),
-    ("nope", {}, "unknown variant 'nope'; allowed: full, sparse, blockwise, sliding_window, linear"),
+    ("nope", {}, "unknown variant 'nope'; allowed: full, sparse, blockwise, sliding_window, linear, adaptive_span"),
     ("full", {"backend": "flash"}, "unknown backend 'flash'; allowed: sdpa, math"),
     ("blockwise", {"block_size": 0}, "block_size must be an integer > 0"),
     ("blockwise", {"mode": "global"}, "unknown mode 'global'; allowed: exact, local"),

@@ -1,4 +1,4 @@
-"""Five attention variants behind one interface: ``attn(q, k, v, causal=False)`` on (B, H, N, D).
+"""Attention variants behind one interface: ``attn(q, k, v, causal=False)`` on (B, H, N, D).
 
     >>> import variants
     >>> attn = variants.build("sliding_window", window=64)
@@ -7,6 +7,7 @@
 From Hydra, ``conf/variant/<name>.yaml`` holds ``_target_: variants.<Class>`` and the options.
 """
 
+from .adaptive_span import AdaptiveSpan
 from .base import Attention, Flops, VariantError, dense_attention
 from .blockwise import Blockwise
 from .full import Full
@@ -14,7 +15,8 @@ from .linear import Linear
 from .sliding_window import SlidingWindow
 from .sparse import Sparse
 
-REGISTRY: dict[str, type[Attention]] = {cls.name: cls for cls in (Full, Sparse, Blockwise, SlidingWindow, Linear)}
+REGISTRY: dict[str, type[Attention]] = {cls.name: cls for cls in (Full, Sparse, Blockwise, SlidingWindow, Linear,
+                                                                 AdaptiveSpan)}
 
 
 def build(name: str, **options) -> Attention:
@@ -25,4 +27,4 @@ def build(name: str, **options) -> Attention:
 
 
 __all__ = ["Attention", "Flops", "VariantError", "REGISTRY", "build", "dense_attention",
-           "Full", "Sparse", "Blockwise", "SlidingWindow", "Linear"]
+           "Full", "Sparse", "Blockwise", "SlidingWindow", "Linear", "AdaptiveSpan"]

@@ -1,0 +1,307 @@
+"""adaptive_span: every backend against the float64 reference, outputs and the gradients of q, k, v and
+the spans z; z's gradient against finite differences; the soft mask, counts and memory; the task's span
+penalty and the spans logged to wandb."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.func import functional_call
+
+import variants
+from harness.memory import cpu_peak_bytes
+from harness.task import MQARConfig, build_model, span_penalty, train_mqar
+from variants import VariantError, flex
+from variants.adaptive_span import AdaptiveSpan
+
+from .conftest import qkv
+
+S, R = 40, 8  # max_span, ramp: the band (reach ⌈z⌉ + R − 1 ≤ 47) is narrower than N below
+LENGTHS = (1, 97, 200)  # 97: one chunk holds the band; 200: 4 chunks of 64 (the last ragged)
+SPANS = {  # one z per head (3 heads): the clamp ends, inside the ramp's reach, between, out of range
+    "zero": [0.0, 0.0, 0.0],
+    "mixed": [0.0, 3.5, 17.25],
+    "max": [S, S, S],
+    "clamped": [-5.0, S + 10.0, 12.0],
+}
+
+
+def build(spans, **options) -> AdaptiveSpan:
+    attn = variants.build("adaptive_span", **{"max_span": S, "ramp": R, "num_heads": len(spans), **options})
+    with torch.no_grad():
+        attn.z.copy_(torch.tensor(spans))
+    return attn
+
+
+def grads(out, inputs, seed=1):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.autograd.grad(out, inputs, g.to(out.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("spans", list(SPANS), ids=str)
+@pytest.mark.parametrize("backend", ["band", "dense"])
+def test_matches_float64_reference_with_span_gradients(backend, spans, causal, dtype):
+    attn = build(SPANS[spans], backend=backend)
+    for N in LENGTHS:
+        q, k, v = qkv(1, 3, N, 16, dtype=dtype, seed=N)
+        out = attn(q, k, v, causal=causal)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = attn.reference(q64, k64, v64, causal=causal)
+        got = (out, *grads(out, (q, k, v, attn.z)))
+        want = (ref, *grads(ref, (q64, k64, v64, attn.z)))
+        eps = 1e-10 if dtype == torch.float64 else 2e-5
+        for name, g, w in zip(("out", "dq", "dk", "dv", "dz"), got, want):
+            w = w.double()
+            torch.testing.assert_close(g.double(), w, rtol=eps * 10, atol=eps * max(1.0, w.abs().max().item()),
+                                       msg=lambda m: f"N={N} {name}: {m}")
+        dz = want[-1]
+        if spans == "clamped":  # outside [0, S] the clamp stops the gradient
+            assert dz[0] == 0 and dz[1] == 0
+        if spans == "mixed" and N > S + R:  # spans whose ramp covers keys learn
+            assert (dz[1:] != 0).all()
+
+
+def test_reference_is_the_papers_formula_row_by_row():
+    """The oracle against the definition written out: a_ij = m(x)·e^{s_ij} / Σ m(x)·e^{s_ij'}."""
+    attn = build([1.5, 6.0], max_span=10, ramp=3)
+    q, k, v = (t.detach() for t in qkv(1, 2, 13, 4, seed=5))
+    for causal in (False, True):
+        out = attn.reference(q, k, v, causal)
+        for h, z in enumerate((1.5, 6.0)):
+            for i in range(13):
+                js = [j for j in range(13) if not causal or j <= i]
+                m = torch.tensor([min(max((3 + z - (i - j if causal else abs(i - j))) / 3, 0.0), 1.0) for j in js],
+                                 dtype=torch.float64)
+                e = m * torch.exp(torch.stack([q[0, h, i] @ k[0, h, j] / 2 for j in js]))
+                row = sum(w * v[0, h, j] for w, j in zip(e / e.sum(), js))
+                torch.testing.assert_close(out[0, h, i], row, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("backend", ["band", "dense"])
+def test_span_gradient_against_finite_differences(backend, causal, monkeypatch):
+    """torch.autograd.gradcheck in float64: z's gradient entry by entry, and q, k, v with z along random
+    directions (fast mode). z stays off the ramp's kinks (x − z never 0 or R for integer x)."""
+    monkeypatch.setattr(variants.adaptive_span, "CHUNK", 4)  # N = 23: 6 band chunks, the last ragged
+    attn = build([0.0, 0.0, 0.0], max_span=5, ramp=2, backend=backend)
+    q, k, v = (t.detach() for t in qkv(1, 3, 23, 4, seed=2))
+    z = torch.tensor([0.4, 1.3, 3.7], dtype=torch.float64, requires_grad=True)
+    if backend == "band":
+        with torch.no_grad():
+            attn.z.copy_(z)
+        assert attn.band_shape(23, causal) == (6, 4, 4 + 5 * (1 if causal else 2))
+
+    def f(q, k, v, z):
+        return functional_call(attn, {"z": z}, (q, k, v), {"causal": causal})
+
+    assert torch.autograd.gradcheck(lambda z: f(q, k, v, z), (z,), eps=1e-6, atol=1e-7)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(f, (q, k, v, z), eps=1e-6, atol=1e-7, fast_mode=True)
+
+
+def test_spans_at_max_equal_full_attention_when_they_cover_every_key():
+    N = 30
+    q, k, v = qkv(1, 2, N, 8, seed=4)
+    full = variants.build("full", backend="math")
+    for causal in (False, True):
+        for backend in ("band", "dense"):
+            attn = build([N - 1, 50.0], max_span=60, ramp=4, backend=backend)  # m = 1 for every x ≤ N − 1
+            torch.testing.assert_close(attn(q, k, v, causal), full(q, k, v, causal), rtol=1e-12, atol=1e-12)
+
+
+def test_span_zero_keeps_the_ramp_only():
+    """z = 0: weights m(x) = (R − x)/R on x < R; R = 1 leaves only the query's own key (out = v)."""
+    q, k, v = qkv(1, 1, 50, 8, seed=6)
+    attn = build([0.0], ramp=1)
+    for causal in (False, True):
+        torch.testing.assert_close(attn(q, k, v, causal), v, rtol=0, atol=1e-12)
+
+
+def test_shared_span_broadcasts_over_heads():
+    attn = variants.build("adaptive_span", max_span=S, ramp=R, init_span=10.0)  # num_heads null: one z
+    assert attn.z.shape == (1,) and attn.spans(4).tolist() == [10.0] * 4
+    q, k, v = qkv(1, 4, 97, 8)
+    out = attn(q, k, v, causal=True)
+    torch.testing.assert_close(out, attn.reference(q, k, v, True), rtol=1e-10, atol=1e-10)
+    with pytest.raises(VariantError, match=r"built for num_heads=3 \(one span per head\); got H=4"):
+        build([1.0, 2.0, 3.0])(q, k, v)
+
+
+def test_mask_counts_and_density_follow_the_spans():
+    attn = build(SPANS["mixed"])
+    for N in (97, 200):
+        for causal in (False, True):
+            i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+            x = (i - j) if causal else (i - j).abs()
+            want = torch.stack([((R + z - x) / R > 0) & (j <= i if causal else True) for z in SPANS["mixed"]])
+            assert torch.equal(attn.mask(N, causal), want)  # the support m_h(x) > 0
+            assert attn.allowed_pairs(N, causal) == int(want.sum()) // 3
+            assert attn.density(N, causal) == pytest.approx(int(want.sum()) // 3 / N**2)
+            f = attn.flops(2, 3, N, 16, causal)
+            assert f.executed >= f.useful == 4 * 2 * 3 * 16 * attn.allowed_pairs(N, causal)
+
+
+def test_band_is_linear_in_n_and_builds_no_dense_mask(monkeypatch):
+    """The band path never calls the O(N²) mask, and its measured peak memory doubles with N."""
+    def forbidden(*a, **k):
+        raise AssertionError("dense mask built on the fast path")
+
+    monkeypatch.setattr(variants.adaptive_span, "dense_mask", forbidden)
+    attn = build([20.0, 48.0], max_span=48, ramp=16)
+    peaks = []
+    for N in (1024, 2048):
+        q, k, v = qkv(1, 2, N, 32, dtype=torch.float32)
+        dout = torch.randn(1, 2, N, 32)
+        step = lambda: attn(q, k, v).backward(dout)  # noqa: E731
+        step()
+        peaks.append(cpu_peak_bytes(step))
+        assert peaks[-1] <= attn.memory_bytes(1, 2, N, 32), "the analytic budget bounds the measurement"
+    assert 1.6 <= peaks[1] / peaks[0] <= 2.4, peaks
+    assert peaks[1] < 3 * 2 * 2048 * 2048 * 4 / 4  # a fraction of full math's three N×N matrices
+
+
+def test_executed_band_is_the_reach_of_the_largest_span():
+    attn = build([3.2, 10.0])
+    assert attn.reach() == 10 + R - 1
+    nc, c, L = attn.band_shape(200, causal=False)
+    assert (nc, c, L) == (4, 64, 64 + 2 * 17)
+    assert attn.band_shape(200, causal=True)[2] == 64 + 17
+    assert attn.executed_pairs(200) == 4 * 64 * 98
+    with torch.no_grad():
+        attn.z.fill_(1000.0)  # clamped to S; a reach past N is cut at N − 1
+    assert attn.reach() == S + R - 1
+    assert attn.band_shape(30, False) == (1, 30, 30)  # the band covers the sequence: one N × N chunk
+
+
+@pytest.mark.parametrize("options,expect", [
+    ({"max_span": -1}, "max_span must be an integer >= 0; got -1"),
+    ({"ramp": 0}, "ramp must be an integer >= 1; got 0"),
+    ({"max_span": 8, "init_span": 9}, r"init_span must be a number in \[0, max_span=8\] or null; got 9"),
+    ({"num_heads": 0}, "num_heads must be an integer > 0 or null"),
+    ({"span": 3}, "unknown option 'span'; allowed: max_span, ramp, init_span, num_heads, backend"),
+    ({"backend": "blocksparse"}, "unknown backend 'blocksparse'; allowed: band, dense, flex"),
+])
+def test_bad_options(options, expect):
+    with pytest.raises(VariantError, match=expect) as err:
+        variants.build("adaptive_span", **options)
+    assert "\n" not in str(err.value)
+
+
+def test_init_span_defaults_to_max_span():
+    assert variants.build("adaptive_span", num_heads=2).spans().tolist() == [1024.0, 1024.0]
+    assert variants.build("adaptive_span", max_span=64, init_span=5).spans().tolist() == [5.0]
+
+
+# ----- flex (FlexAttention: CUDA; its score_mod and band checked on CPU, forward only) ---------------
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_flex_score_mod_and_band_match_reference_cpu(causal):
+    attn = build(SPANS["mixed"], backend="flex")
+    assert "flex" not in attn.available_backends("cpu")
+    q, k, v = (t.detach().float() for t in qkv(1, 3, 200, 16, seed=3))
+    out = attn.flex_forward(q, k, v, causal, compiled=False)  # eager: the same score_mod and block mask
+    torch.testing.assert_close(out.double(), attn.reference(q, k, v, causal), rtol=1e-4, atol=1e-4)
+    if causal:  # and once compiled, as the backend runs it (CPU: forward only, no grad)
+        with torch.no_grad():
+            torch.testing.assert_close(attn.flex_forward(q, k, v, causal).double(), attn.reference(q, k, v, causal),
+                                       rtol=1e-4, atol=1e-4)
+    stats = flex.block_mask_stats(attn, 200, causal)
+    # N = 200 is 2 × 2 tiles: the band (reach 24) touches all of them, causal skips the future one
+    assert stats["tile_density"] == (0.75 if causal else 1.0)
+    long = flex.block_mask_stats(attn, 2048, causal)
+    assert long["tile_density"] < 0.25  # 16 tiles a side, the band only near the diagonal
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("spans", ["mixed", "max"])
+def test_gpu_flex_matches_reference(spans, dtype, causal):
+    """flex's output and gradients (z included) against the float64 reference, under flash-attention's
+    rule: at most twice the error of the dense path in the same dtype, plus the rounding floor."""
+    N, D = 1000, 64  # not a multiple of 128
+    attn = build([300.0, 7.5, 120.0] if spans == "mixed" else [S, S, S], max_span=300 if spans == "mixed" else S,
+                 backend="flex").cuda()
+    dense = build(attn.spans().tolist(), max_span=attn.options.max_span, backend="dense").cuda()
+    q, k, v = qkv(2, 3, N, D, dtype=dtype, seed=N, device="cuda")
+    out = attn(q, k, v, causal)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attn.reference(q64, k64, v64, causal)
+    qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    naive = dense(qn, kn, vn, causal)
+    got = (out, *grads(out, (q, k, v, attn.z)))
+    want = (ref, *grads(ref, (q64, k64, v64, attn.z)))
+    base = (naive, *grads(naive, (qn, kn, vn, dense.z)))
+    for name, g, w, n in zip(("out", "dq", "dk", "dv", "dz"), got, want, base):
+        w = w.double()
+        err, err_naive = (g.double() - w).abs().max().item(), (n.double() - w).abs().max().item()
+        floor = 2 * (w.to(dtype).double() - w).abs().max().item()
+        assert err <= 2.0 * err_naive + floor, f"{name}: {err:.3e} > 2 x {err_naive:.3e} + {floor:.3e}"
+
+
+# ----- the task: span penalty in the loss, spans logged ----------------------------------------------
+TINY = dict(seq_len=48, vocab_size=40, num_kv_pairs=8, num_queries=6, batch_size=8, eval_size=32)
+
+
+def test_span_penalty_is_the_papers_term_and_zero_for_other_variants():
+    cfg = MQARConfig(**TINY, span_penalty=1e-3)
+    model = build_model("adaptive_span", {"max_span": 64, "num_heads": 2}, cfg)
+    layers = [m for m in model.modules() if isinstance(m, AdaptiveSpan)]
+    with torch.no_grad():
+        layers[0].z.copy_(torch.tensor([10.0, 30.0]))
+        layers[1].z.copy_(torch.tensor([80.0, 2.0]))  # 80 counts as 64 (clamped)
+    assert float(span_penalty(model, cfg).detach()) == pytest.approx(1e-3 * ((10 + 30) / 2 + (64 + 2) / 2))
+    for name, options in (("sliding_window", {"window": 8}), ("full", {})):
+        assert float(span_penalty(build_model(name, options, cfg), cfg)) == 0.0
+
+
+def test_span_penalty_is_in_the_training_loss():
+    """Spans of 64 at N = 48 cover every key: the task loss gives them no gradient, so they move only
+    if the penalty is in the loss (down, by about lr·max_span per step), and stay put without it."""
+    def final_spans(penalty):
+        logs = []
+        cfg = MQARConfig(**TINY, steps=6, eval_every=3, lr=0.03, warmup_steps=0, span_penalty=penalty)
+        out = train_mqar("adaptive_span", {"max_span": 64, "num_heads": 2}, cfg, log=lambda s, m: logs.append(m))
+        assert [h["step"] for h in out["history"]] == [3, 6]
+        spans = {k: v for k, v in logs[-1].items() if k.startswith("span_l")}
+        assert sorted(spans) == ["span_l0_h0", "span_l0_h1", "span_l1_h0", "span_l1_h1"]
+        assert logs[-1]["span_penalty"] == pytest.approx(penalty * sum(spans.values()) / 2, rel=1e-6)
+        return spans
+
+    assert set(final_spans(0.0).values()) == {64.0}
+    assert all(z < 63 for z in final_spans(1e-3).values())
+    logs = []
+    train_mqar("sliding_window", {"window": 8}, MQARConfig(**TINY, steps=3, eval_every=3), log=lambda s, m: logs.append(m))
+    assert not any(k.startswith("span") for k in logs[-1])
+
+
+def test_spans_are_logged_to_wandb_against_the_step(tmp_path):
+    """The command line with task=mqar: each head's span is a curve task/N<N>/span_l<layer>_h<head>
+    against task/step in the offline wandb run, read back with ``wandb leet inspect``."""
+    from .test_quality_logging import leet
+
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "variant=adaptive_span", "variant.max_span=64", "seq_lens=[48]",
+         "num_heads=2", "head_dim=16", "measure.passes=[]", "measure.memory=false", "task=mqar", "task.steps=4",
+         "task.eval_every=2", "task.eval_size=16", "task.batch_size=4", "task.span_penalty=0.01",
+         f"hydra.run.dir={out}"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run_dir, = (out / "wandb").glob("offline-run-*")
+    records = [json.loads(line) for line in leet(run_dir).splitlines() if line.strip()]
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    for layer in (0, 1):
+        for h in (0, 1):
+            key = f"task/N48/span_l{layer}_h{h}"
+            curve = [(row["task/step"], row[key]) for row in history if key in row]
+            assert [s for s, _ in curve] == [2, 4], key
+            assert 0 <= curve[1][1] < curve[0][1] < 64, curve  # the penalty shrinks spans that see every key
+    assert any("task/N48/span_penalty" in row for row in history)
