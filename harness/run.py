@@ -62,8 +62,9 @@ def build_variant(variant_cfg: Mapping[str, Any]) -> variants.Attention:
             raise VariantError(str(cause)) from None
         raise ConfigError(one_line(f"cannot build variant {variant_cfg.get('_target_')!r}: {cause or e}")) from None
     if not isinstance(attn, variants.Attention):
-        raise ConfigError(f"variant _target_ {variant_cfg.get('_target_')!r} is not an attention variant; "
-                          f"allowed: {', '.join(f'variants.{c.__name__}' for c in variants.REGISTRY.values())}")
+        raise ConfigError(f"variant _target_ {variant_cfg.get('_target_')!r} is not an attention variant (a "
+                          f"subclass of variants.Attention); the project's: "
+                          f"{', '.join(f'variants.{c.__name__}' for c in variants.REGISTRY.values())}")
     return attn
 
 
@@ -455,6 +456,6 @@ def train_task(attn: variants.Attention, s: Settings, cfg, device: torch.device,
     options = dataclasses.asdict(attn.options)
     if options.get("num_heads") is not None:
         options["num_heads"] = cfg.n_heads  # linear share=none: one E_h, F_h per head of the task's model
-    out = train_mqar(attn.name, options, cfg, log=task_log, device=device)
+    out = train_mqar(type(attn), options, cfg, log=task_log, device=device)  # the class: any _target_ trains
     return {"task_seq_len": cfg.seq_len, "task_accuracy": out["task_accuracy"], "task_loss": out["task_loss"],
             "task_chance_accuracy": out["chance_accuracy"], "task_train_s": out["train_seconds"]}

@@ -126,10 +126,15 @@ def lr_at(step: int, cfg: MQARConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
-def build_model(variant_name: str, variant_options: Mapping[str, Any], cfg: MQARConfig) -> TinyTransformer:
-    """The model with one ``variants.build(variant_name, **variant_options)`` per layer."""
-    variants.build(variant_name, **variant_options)  # fail on a bad option before anything else
-    return TinyTransformer(cfg.vocab_size, cfg.seq_len, lambda: variants.build(variant_name, **variant_options),
+def build_model(variant: str | type[variants.Attention], variant_options: Mapping[str, Any],
+                cfg: MQARConfig) -> TinyTransformer:
+    """The model with one attention per layer: ``variants.build(variant, **variant_options)`` for a name,
+    ``variant(**variant_options)`` for a class (a variant defined outside the package)."""
+    def make() -> variants.Attention:
+        return variant(**variant_options) if isinstance(variant, type) else variants.build(variant, **variant_options)
+
+    make()  # fail on a bad option before anything else
+    return TinyTransformer(cfg.vocab_size, cfg.seq_len, make,
                            d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_mlp=cfg.d_mlp,
                            positions=cfg.positions, short_conv=cfg.short_conv)
 
@@ -178,10 +183,10 @@ def evaluate(model: TinyTransformer, inputs: Tensor, targets: Tensor, batch_size
     return {"eval_accuracy": correct / total, "eval_loss": loss_sum / total}
 
 
-def train_mqar(variant_name: str, variant_options: Mapping[str, Any] | None = None,
+def train_mqar(variant: str | type[variants.Attention], variant_options: Mapping[str, Any] | None = None,
                cfg: MQARConfig | None = None, log: Log | None = None,
                device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Trains on MQAR with the named variant; returns ``task_accuracy`` and ``task_loss`` (final eval),
+    """Trains on MQAR with the variant (a name, or an Attention class); returns ``task_accuracy`` and ``task_loss`` (final eval),
     ``history`` (one dict per eval: step, train_loss averaged since the previous eval, eval_accuracy,
     eval_loss), ``chance_accuracy``, ``num_params``, ``causal`` and ``train_seconds``.
 
@@ -195,7 +200,7 @@ def train_mqar(variant_name: str, variant_options: Mapping[str, Any] | None = No
     variant_options = dict(variant_options or {})
     with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG
         torch.manual_seed(cfg.seed)
-        model = build_model(variant_name, variant_options, cfg).to(device)
+        model = build_model(variant, variant_options, cfg).to(device)
     spans = span_layers(model)
     span_params = {id(a.z) for a in spans}
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]

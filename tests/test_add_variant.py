@@ -119,7 +119,8 @@ def test_outside_variant_through_the_harness_and_report(user_dir, tmp_path):
     cmd = [sys.executable, "-m", "harness", "variant._target_=bandattn.Band", "~variant.backend",
            "+variant.behind=5", "+variant.ahead=2", "seq_lens=[97,200]", "causal=true", "num_heads=2",
            "head_dim=16", "measure.passes=[fwd_bwd]", "measure.min_run_time=0.01", "measure.min_samples=2",
-           "logger=none", f"hydra.run.dir={out}"]
+           "task=mqar", "task.seq_len=32", "task.steps=2", "task.eval_every=2", "task.eval_size=8",
+           "task.batch_size=4", "task.d_model=16", "logger=none", f"hydra.run.dir={out}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -129,6 +130,7 @@ def test_outside_variant_through_the_harness_and_report(user_dir, tmp_path):
         assert r["causal"] and r["opt_behind"] == 5 and r["opt_ahead"] == 2
         assert r["fwd_bwd_ms"] > 0 and r["peak_mem_bytes"] > 0 and r["flops_fwd"] > 0 and r["density"] < 0.1
         assert r["out_rel_err"] is not None  # fidelity against exact attention ran on the user's variant
+        assert r["task_accuracy"] is not None and r["quality_reason"] is None  # and the task trained it
 
     # The other way in: the user's own config group (a directory holding variant/band.yaml) through
     # --config-dir. A misspelt option is one line naming it and the allowed ones, exit 2, no files.
