@@ -1,0 +1,203 @@
+"""ring and ulysses on real gloo process groups (CPU): gathered outputs and gradients against the float64
+reference, memory per rank against P, a failing rank, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import variants
+from harness.distributed import Rendezvous, free_port, init_group
+from harness.memory import cpu_peak_bytes
+from variants import VariantError
+from variants.seqpar import shard, shard_runs, unshard
+
+from .conftest import ROOT, qkv
+
+N = 61  # not divisible by 2 or 3, nor by 2P (zigzag chunks)
+
+RING_CASES = [("ring", {"layout": layout, "inner": inner, "inner_options": inner_options})
+              for layout in ("contiguous", "zigzag")
+              for inner, inner_options in (("full", None), ("blockwise", {"block_size": 7}))]
+# Every single-device variant whose heads are independent, inside Ulysses.
+ULYSSES_CASES = [("ulysses", {"inner": "full", "backend": "math"}),
+                 ("ulysses", {"inner": "full"}),
+                 ("ulysses", {"inner": "blockwise", "inner_options": {"block_size": 16}}),
+                 ("ulysses", {"inner": "blockwise", "inner_options": {"mode": "local", "block_size": 16}}),
+                 ("ulysses", {"inner": "sliding_window", "inner_options": {"window": 5, "global_tokens": 2}}),
+                 ("ulysses", {"inner": "sparse", "inner_options": {"pattern": "bigbird", "block_size": 8}}),
+                 ("ulysses", {"inner": "linear", "inner_options": {"proj_dim": 16, "max_seq_len": 64}})]
+
+
+def run_ranks(fn, P: int, *args) -> None:
+    """``fn(rank, P, *args)`` in P processes joined in one gloo group; a failing rank fails the call."""
+    mp.spawn(_rank_main, args=(P, free_port(), fn, args), nprocs=P, join=True)
+
+
+def _rank_main(rank, P, port, fn, args):
+    torch.set_num_threads(1)
+    init_group(Rendezvous(rank, P, "127.0.0.1", port, rank), timeout_s=60)
+    try:
+        fn(rank, P, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def every_check(rank, P, out_path):
+    """Starting processes is the slow part (seconds each on a loaded machine), so one group of P ranks
+    runs every check; each check's failure (one rank's traceback) is written for its own test."""
+    import traceback
+
+    checks = {"float64": lambda: check_against_reference(rank, P, RING_CASES + ULYSSES_CASES, torch.float64),
+              "float32": lambda: check_against_reference(rank, P, RING_CASES[1:2] + RING_CASES[3:], torch.float32),
+              "peak": lambda: measure_peak(rank, P),
+              "indivisible": lambda: ulysses_indivisible(rank, P)}
+    results = {}
+    for name, check in checks.items():
+        try:
+            results[name] = check()
+        except Exception:
+            results[name] = {"error": f"rank {rank}: {traceback.format_exc()}"}
+    per_rank = [None] * P
+    dist.all_gather_object(per_rank, results)
+    if rank == 0:
+        out_path.write_text(json.dumps(per_rank))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """P -> every rank's results of every_check."""
+    cache = {}
+
+    def get(P):
+        if P not in cache:
+            path = tmp_path_factory.mktemp(f"P{P}") / "checks.json"
+            run_ranks(every_check, P, path)
+            cache[P] = json.loads(path.read_text())
+        return cache[P]
+
+    return get
+
+
+def passed(per_rank, name):
+    errors = [r[name]["error"] for r in per_rank if isinstance(r[name], dict) and "error" in r[name]]
+    assert not errors, errors[0]
+    return [r[name] for r in per_rank]
+
+
+def gathered(x: torch.Tensor, P: int, layout: str) -> torch.Tensor:
+    shards = [None] * P
+    dist.all_gather_object(shards, x.detach())
+    return unshard(shards, layout)
+
+
+def check_against_reference(rank, P, cases, dtype):
+    for name, options in cases:
+        attn = variants.build(name, world_size=P, **options)
+        for causal in (False, True):
+            if causal and not attn.supports_causal:
+                continue
+            q, k, v = qkv(1, 6, N, 8, dtype=dtype, seed=3)  # the same whole tensors on every rank
+            grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+            layout = attn.layout_name
+            local = [shard(t.detach(), rank, P, layout).requires_grad_() for t in (q, k, v)]
+            out = attn(*local, causal=causal)
+            out.backward(shard(grad, rank, P, layout).to(dtype))
+            assert attn.bytes_sent > 0
+            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            ref = attn.reference(q64, k64, v64, causal=causal)
+            want = [ref, *torch.autograd.grad(ref, (q64, k64, v64), grad)]
+            got = [gathered(t, P, layout) for t in (out, *(t.grad for t in local))]
+            eps = 1e-10 if dtype == torch.float64 else 2e-5
+            for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+                torch.testing.assert_close(g.double(), w, rtol=eps * 10, atol=eps * max(1.0, w.abs().max().item()),
+                                           msg=lambda m: f"P={P} {name} {options} causal={causal} {what}: {m}")
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_ring_and_ulysses_equal_the_float64_reference(ranks, P):
+    passed(ranks(P), "float64")  # H=6: P divides it
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_ring_float32_within_rounding(ranks, P):
+    passed(ranks(P), "float32")
+
+
+def test_layouts_and_unshard():
+    assert shard_runs(10, 2, "contiguous") == [[(0, 5)], [(5, 10)]]
+    assert shard_runs(11, 2, "zigzag") == [[(0, 3), (9, 11)], [(3, 6), (6, 9)]]
+    x = torch.arange(2 * 23 * 1, dtype=torch.float64).view(1, 1, 46, 1)
+    for layout in ("contiguous", "zigzag"):
+        for P in (1, 2, 3, 5):
+            assert torch.equal(unshard([shard(x, r, P, layout) for r in range(P)], layout), x)
+    with pytest.raises(VariantError, match="N=5 is shorter than the 6 chunks"):
+        shard_runs(5, 3, "zigzag")
+
+
+def test_zigzag_balances_causal_work():
+    """Every rank computes the same number of score tiles under causal with zigzag; not so contiguous."""
+    from variants.ring import tiles
+    from variants.seqpar import local_runs
+
+    def work(layout):
+        runs = [local_runs(r) for r in shard_runs(1024, 4, layout)]
+        return [sum((qe - qs) * (ke - ks) for k in runs for (qs, qe, _), (ks, ke, _), _ in tiles(q, k, True, None))
+                for q in runs]
+
+    zz, cont = work("zigzag"), work("contiguous")
+    assert max(zz) == min(zz) and max(cont) > 3 * min(cont)
+
+
+def measure_peak(rank, P):
+    """Peak bytes of one ring forward+backward in this rank (N=1024, float32), as the harness measures."""
+    attn = variants.build("ring", world_size=P, layout="zigzag")
+    whole = (*qkv(1, 2, 1024, 32, torch.float32, 5), torch.randn(1, 2, 1024, 32))
+    q, k, v, g = (shard(t.detach(), rank, P, "zigzag").contiguous() for t in whole)
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def fwd_bwd():
+        attn(q, k, v, causal=False).backward(g)
+
+    fwd_bwd()  # warm-up
+    return cpu_peak_bytes(fwd_bwd)
+
+
+def test_ring_peak_memory_per_rank_falls_with_P(ranks):
+    """The harness's own measurement (profiler allocation replay) in each rank, at fixed N; P=1 is the
+    same code in one process (no group)."""
+    peaks = {1: measure_peak(0, 1), 2: max(passed(ranks(2), "peak")), 3: max(passed(ranks(3), "peak"))}
+    # A whole-shard tile is (N/P)^2, so the peak falls at least as 1/P.
+    assert peaks[2] < 0.6 * peaks[1] and peaks[3] < 0.75 * peaks[2], peaks
+
+
+def test_bad_options():
+    for name, options, expect in [
+        ("ring", {"world_size": 0}, "ring: world_size must be an integer >= 1; got 0"),
+        ("ring", {"inner": "sliding_window"}, "ring: inner must be an exact variant"),
+        ("ring", {"inner": "blockwise", "inner_options": {"mode": "local"}}, "ring: inner must be an exact variant"),
+        ("ring", {"layout": "striped"}, "ring: unknown layout 'striped'; allowed: contiguous, zigzag"),
+        ("ulysses", {"inner": "ring"}, "ulysses: inner must be a single-device variant; got 'ring'"),
+        ("ulysses", {"inner": "linear", "inner_options": {"share": "none", "num_heads": 4}}, "treats heads differently"),
+        ("ulysses", {"inner": "full", "inner_options": {"backend": "math"}}, "as variant.backend"),
+    ]:
+        with pytest.raises(VariantError, match=expect.replace("(", r"\(")):
+            variants.build(name, **options)
+
+
+def ulysses_indivisible(rank, P):
+    q, k, v = (shard(t.detach(), rank, P, "contiguous") for t in qkv(1, P + 1, 20, 4))
+    with pytest.raises(VariantError, match=f"ulysses: num_heads H={P + 1} is not divisible by the {P} ranks"):
+        variants.build("ulysses", world_size=P)(q, k, v)
+
+
+def test_ulysses_refuses_indivisible_heads_in_the_forward(ranks):
+    passed(ranks(2), "indivisible")
