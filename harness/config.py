@@ -74,6 +74,7 @@ class Settings:
     logger: Any = None  # harness.logger.LoggerConfig
     resume: bool = True
     retry: tuple[str, ...] = ()  # stored points with these statuses (or noisy) are measured again
+    dist_timeout_s: float = 120.0  # sequence-parallel points: a rank's transfers give up after this
 
     @property
     def torch_dtype(self):
@@ -86,7 +87,7 @@ class Settings:
 
 TOP_KEYS = ("variant", "seq_len", "seq_lens", "batch_size", "num_heads", "head_dim", "dtype", "device",
             "causal", "seed", "memory_budget_gb", "output_dir", "measure", "inputs", "fidelity", "task",
-            "logger", "resume", "retry")
+            "logger", "resume", "retry", "distributed")
 MEASURE_KEYS = tuple(f.name for f in dataclasses.fields(MeasureOptions))
 FIDELITY_KEYS = tuple(f.name for f in dataclasses.fields(FidelityOptions))
 
@@ -248,7 +249,17 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
         logger=_logger(cfg.get("logger")),
         resume=_bool("resume", cfg.get("resume", True)),
         retry=_retry(cfg.get("retry")),
+        dist_timeout_s=_distributed(cfg.get("distributed")),
     )
+
+
+def _distributed(cfg: Mapping[str, Any] | None) -> float:
+    cfg = dict(cfg or {})
+    _unknown_keys("distributed option", cfg, ("timeout_s",))
+    timeout = cfg.get("timeout_s", 120)
+    if not _is_number(timeout) or timeout <= 0:
+        raise ConfigError(f"distributed.timeout_s must be a number of seconds > 0; got {timeout!r}")
+    return float(timeout)
 
 
 def _retry(x: Any) -> tuple[str, ...]:
