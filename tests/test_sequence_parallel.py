@@ -201,3 +201,66 @@ def ulysses_indivisible(rank, P):
 
 def test_ulysses_refuses_indivisible_heads_in_the_forward(ranks):
     passed(ranks(2), "indivisible")
+
+
+# ----- through the harness: python -m harness ... variant.world_size=P --------------------------------
+
+class FailingRing(variants.Ring):
+    """A ring whose rank 1 raises at N=64: the point must become an error row, the next point run."""
+
+    def _attend(self, q, k, v, causal, backend):
+        _, rank, size = self.process_group()
+        if rank == 1 and size > 1 and q.shape[-2] == 32:  # N=64
+            raise RuntimeError("injected failure on rank 1")
+        return super()._attend(q, k, v, causal, backend)
+
+
+def harness(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "harness", "logger=none", "num_heads=2", "head_dim=8",
+                           "measure.min_run_time=0.01", "measure.min_samples=2", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_harness_spawns_the_ranks_and_a_failing_rank_is_an_error_row(tmp_path):
+    start = time.monotonic()
+    proc = harness("variant=ring", f"variant._target_={__name__}.FailingRing", "seq_lens=[64,75]",
+                   "distributed.timeout_s=3", f"hydra.run.dir={tmp_path}")
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["seq_len"], r["status"]) for r in rows] == [(64, "error"), (75, "ok")]
+    assert rows[0]["reason"] == "rank 1: RuntimeError: injected failure on rank 1"
+    ok = rows[1]
+    assert ok["world_size"] == 2 and ok["dist_backend"] == "gloo" and ok["opt_world_size"] == 2
+    assert len(ok["peak_mem_per_rank_bytes"]) == 2 and ok["peak_mem_bytes"] == max(ok["peak_mem_per_rank_bytes"])
+    # 75 rows over 2 ranks, zigzag chunks 19, 19, 19, 18: shards of 37 and 38 rows (K and V: 2 x 2 heads x
+    # 8 x 4 bytes a row). Each rank sends its K, V forward and backward, then the gradient accumulators of
+    # its own shard and of the other's.
+    assert ok["bytes_sent_per_rank"] == [128 * (3 * 37 + 38), 128 * (3 * 38 + 37)]
+    assert ok["fwd_ms"] > 0 and ok["fwd_bwd_ms"] > 0
+    assert took < 90, took  # bounded by the 3 s timeout, not a hang
+
+
+@pytest.mark.parametrize("args,line", [
+    (["variant=ring", "variant.world_size=0"], "error: ring: world_size must be an integer >= 1; got 0"),
+    (["variant=ulysses", "num_heads=3"], "error: ulysses: num_heads=3 is not divisible by world_size=2; "
+                                         "allowed: num_heads a multiple of 2"),
+    (["variant=ring", "variant.inner=sliding_window"], "error: ring: inner must be an exact variant"),
+    (["variant=ring", "distributed.timeout_s=0"], "error: distributed.timeout_s must be a number of seconds > 0"),
+])
+def test_bad_input_is_one_line(args, line, tmp_path):
+    proc = harness(*args, f"hydra.run.dir={tmp_path / 'out'}")
+    assert proc.returncode == 2 and proc.stderr.startswith(line) and proc.stderr.count("\n") == 1, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_torchrun_joins_the_launchers_group(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           f"--master-port={free_port()}", "-m", "harness", "logger=none", "variant=ulysses",
+                           "variant.inner=sliding_window", "variant.inner_options={window:8}", "num_heads=2",
+                           "head_dim=8", "seq_len=50", "measure.min_run_time=0.01", "measure.min_samples=2",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert (row["status"], row["world_size"], row["opt_inner"]) == ("ok", 2, "sliding_window"), row["reason"]

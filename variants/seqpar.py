@@ -81,6 +81,9 @@ class SequenceParallel(Attention):
     layout_name = "contiguous"
 
     def __init__(self, **options: Any) -> None:
+        inner_options = options.get("inner_options")
+        if isinstance(inner_options, Mapping):  # a plain dict (Hydra passes a DictConfig): recorded as JSON
+            options["inner_options"] = {str(k): v for k, v in inner_options.items()}
         super().__init__(**options)
         o = self.options
         require(isinstance(o.world_size, int) and not isinstance(o.world_size, bool) and o.world_size >= 1,
