@@ -264,3 +264,14 @@ def test_torchrun_joins_the_launchers_group(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert (row["status"], row["world_size"], row["opt_inner"]) == ("ok", 2, "sliding_window"), row["reason"]
+
+
+def test_sweep_preset_runs_ring_and_ulysses(tmp_path):
+    """The preset sweeps variant options across two variants: the command line's check accepts them."""
+    proc = subprocess.run([sys.executable, "-m", "harness", "-m", "sweep=sequence_parallel", "logger=none",
+                           "variant.world_size=1", "seq_lens=[32]", "num_heads=2", "head_dim=8",
+                           "measure.min_run_time=0.01", "measure.min_samples=2", f"hydra.sweep.dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for p in sorted(tmp_path.glob("*/results.jsonl")) for line in p.read_text().splitlines()]
+    assert sorted((r["variant"], r["status"]) for r in rows) == [("ring", "ok"), ("ulysses", "ok")]
