@@ -95,7 +95,12 @@ def precheck(argv: list[str]) -> str | None:
                 if v not in groups[group]:
                     return f"unknown {group} {v!r}; allowed: {', '.join(groups[group])}"
             if group == "variant":
-                chosen = values[0] if len(values) == 1 else chosen
+                chosen = values[0]  # a sweep's variant options are checked against its first variant
+            if group == "sweep":  # a preset that sweeps variants: options checked against its first one
+                swept = OmegaConf.load(CONF_DIR / "sweep" / f"{values[0]}.yaml").get("hydra", {})
+                preset_variants = str(swept.get("sweeper", {}).get("params", {}).get("variant", "") or "")
+                if preset_variants and not any(q.key_or_group == "variant" for q in parsed):
+                    chosen = preset_variants.split(",")[0].strip()
     # A key that is not in the config, given without "+": Hydra refuses it in several lines and a hint.
     # Say which keys are allowed instead; for a variant option, in the variant's own words.
     variant_yaml = OmegaConf.load(CONF_DIR / "variant" / f"{chosen}.yaml")

@@ -80,6 +80,7 @@ class Settings:
     def batch_at(self, seq_len: int) -> int:
         """B at a point: batch_size, or tokens_per_batch // N when that is set."""
         return self.batch_size if self.tokens_per_batch is None else self.tokens_per_batch // seq_len
+    dist_timeout_s: float = 120.0  # sequence-parallel points: a rank's transfers give up after this
 
     @property
     def torch_dtype(self):
@@ -92,7 +93,7 @@ class Settings:
 
 TOP_KEYS = ("variant", "seq_len", "seq_lens", "batch_size", "num_heads", "head_dim", "dtype", "device",
             "causal", "seed", "memory_budget_gb", "output_dir", "measure", "inputs", "fidelity", "task",
-            "logger", "resume", "retry", "stop_on_oom", "tokens_per_batch", "model_dim")
+            "logger", "resume", "retry", "stop_on_oom", "tokens_per_batch", "model_dim", "distributed")
 MEASURE_KEYS = tuple(f.name for f in dataclasses.fields(MeasureOptions))
 FIDELITY_KEYS = tuple(f.name for f in dataclasses.fields(FidelityOptions))
 
@@ -264,6 +265,7 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
         retry=_retry(cfg.get("retry")),
         stop_on_oom=_bool("stop_on_oom", cfg.get("stop_on_oom", True)),
         tokens_per_batch=tokens,
+        dist_timeout_s=_distributed(cfg.get("distributed")),
     )
 
 
@@ -278,6 +280,15 @@ def _heads(cfg: Mapping[str, Any]) -> int:
         raise ConfigError(f"model_dim={model_dim} is not a multiple of head_dim={head_dim} (H = model_dim / "
                           f"head_dim); allowed: head_dim dividing {model_dim}")
     return model_dim // head_dim
+
+
+def _distributed(cfg: Mapping[str, Any] | None) -> float:
+    cfg = dict(cfg or {})
+    _unknown_keys("distributed option", cfg, ("timeout_s",))
+    timeout = cfg.get("timeout_s", 120)
+    if not _is_number(timeout) or timeout <= 0:
+        raise ConfigError(f"distributed.timeout_s must be a number of seconds > 0; got {timeout!r}")
+    return float(timeout)
 
 
 def _retry(x: Any) -> tuple[str, ...]:

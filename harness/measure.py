@@ -116,14 +116,18 @@ def synchronize(device: torch.device) -> None:
 
 def measure_point(attn: torch.nn.Module, *, batch_size: int, num_heads: int, seq_len: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device, causal: bool, seed: int, opts: MeasureOptions,
-                  record: dict, on_phase: Callable[[str], None] = lambda phase: None) -> None:
+                  record: dict, on_phase: Callable[[str], None] = lambda phase: None,
+                  shard: Callable[[torch.Tensor], torch.Tensor] | None = None, timer_fn=time_fn) -> None:
     """Measures one point into ``record`` (fields of harness.results.Result), filled as each measurement
     finishes so that what was measured before a failure (an OOM in the backward) is kept. The output and
     the input gradients of the last warm-up call are checked once: NaN or Inf makes the point
-    ``nonfinite`` (with the tensors named) and nothing is timed."""
+    ``nonfinite`` (with the tensors named) and nothing is timed. Sequence-parallel ranks (harness.distributed)
+    pass ``shard`` (this rank's rows of each whole input) and ``timer_fn`` (every rank timed in step)."""
     shape = (batch_size, num_heads, seq_len, head_dim)  # (B, H, N, D)
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v, dout = (torch.randn(shape, generator=gen, dtype=dtype, device=device) for _ in range(4))
+    if shard is not None:
+        q, k, v, dout = (shard(t) for t in (q, k, v, dout))
     for t in (q, k, v):
         t.requires_grad_()
     leaves = (q, k, v, *(p for p in attn.parameters() if p.requires_grad))
@@ -171,7 +175,7 @@ def measure_point(attn: torch.nn.Module, *, batch_size: int, num_heads: int, seq
             continue
         on_phase(name)
         if name == "fwd":
-            timing = time_fn(forward, device, opts)
+            timing = timer_fn(forward, device, opts)
         elif name == "bwd":
             out = forward()  # once, outside the timer; the graph is kept for every timed backward
 
@@ -179,10 +183,10 @@ def measure_point(attn: torch.nn.Module, *, batch_size: int, num_heads: int, seq
                 reset_grads()
                 out.backward(dout, retain_graph=True)
 
-            timing = time_fn(backward, device, opts)
+            timing = timer_fn(backward, device, opts)
             del out, backward
         else:
-            timing = time_fn(fwd_bwd, device, opts)
+            timing = timer_fn(fwd_bwd, device, opts)
         record.update({f"{name}_ms": timing.median_ms, f"{name}_iqr_ms": timing.iqr_ms,
                        f"{name}_samples": timing.samples})
     reset_grads()

@@ -84,6 +84,13 @@ class Result:
     peak_mem_abs_bytes: int | None
     peak_mem_reserved_bytes: int | None
     analytic_mem_bytes: int | None
+    # Sequence parallelism (ring, ulysses; None in one process): the ranks, the backend of their group,
+    # each rank's peak (peak_mem_bytes is the largest) and the bytes each rank sent in one forward+backward.
+    # The times are the slowest rank's (harness/distributed.py)
+    world_size: int | None
+    dist_backend: str | None  # gloo | nccl
+    peak_mem_per_rank_bytes: list | None
+    bytes_sent_per_rank: list | None
     # Work: forward FLOPs executed (whole blocks, masked entries) and useful (allowed pairs); backward is
     # counted as 2.5x forward, forward+backward as 3.5x
     flops_fwd: int | None
@@ -172,7 +179,7 @@ def tflops(flops: int | None, ms: float | None) -> float | None:
 IDENTITY_FIELDS = ("variant", "backend", "seq_len", "batch_size", "num_heads", "head_dim", "dtype", "device",
                    "causal", "seed", "inputs", "task")
 REQUIRED = tuple(f for f in IDENTITY_FIELDS if f not in ("inputs", "task")) + ("status",)
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,)}
 
 
 def _schema() -> dict[str, tuple[tuple[type, ...], bool]]:

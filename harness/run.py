@@ -22,6 +22,7 @@ import variants
 from variants import VariantError
 from variants.blocksparse import MaskedAttention
 
+from . import distributed
 from . import env as envmod
 from .console import Display
 from .logger import sweep_group_name, wandb_run
@@ -85,6 +86,7 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> tuple[Settings, variants.At
     if settings.task is not None:
         task_config(settings, settings.seq_lens[0])  # the task's own checks, before anything is written
     check_memory_budget(settings, device)
+    distributed.check(settings, attn)
     return settings, attn, device
 
 
@@ -173,24 +175,30 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     point counts. Raises ConfigError/VariantError on bad input (nothing written), RunInterrupted on
     Ctrl-C or SIGTERM, RunFailed when the directory stops taking writes."""
     settings, attn, device = validate(cfg)
-    out_dir = resolve_output_dir(output_dir, settings)
-    try:
-        store = ResultStore(out_dir, resume=settings.resume)
-    except LockedError as e:
-        raise DirectoryInUse(str(e)) from None
-    except OSError as e:
-        raise ConfigError(f"cannot write to the output directory {out_dir}: {e.strerror or e}") from None
-    with store:
-        return _run(cfg, settings, attn, device, store, display)
+    with distributed.team(cfg, settings, attn, device) as team:  # None: one process
+        if team is not None and team.rank != 0:
+            team.serve()  # measures the points rank 0 names; rank 0 writes them
+            return None
+        out_dir = resolve_output_dir(output_dir, settings)
+        try:
+            store = ResultStore(out_dir, resume=settings.resume)
+        except LockedError as e:
+            raise DirectoryInUse(str(e)) from None
+        except OSError as e:
+            raise ConfigError(f"cannot write to the output directory {out_dir}: {e.strerror or e}") from None
+        with store:
+            return _run(cfg, team.settings if team else settings, attn, device, store, display, team)
 
 
 def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device, store: ResultStore,
-         display: Display | None) -> Sweep:
+         display: Display | None, team: distributed.Team | None = None) -> Sweep:
     out_dir = store.output_dir
     environment = envmod.collect(device)
     attn.to(device)
     attn.requires_grad_(settings.measure.param_grads)
     budget = memory_budget_bytes(settings, device)
+    if team is not None and budget is not None:  # the ranks on this machine share it
+        budget //= distributed.world_size_of(attn)
     options = tuple(dataclasses.asdict(attn.options).items())
     label = variant_label(attn)
     title = (f"{label} on {device.type} ({environment.device_name}), {settings.dtype}, "
@@ -228,7 +236,7 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
                 row = run_point(attn, settings, seq_len, device, environment, budget, options, stop=stop,
                                 on_phase=lambda phase, n=seq_len: display.phase(n, phase),
                                 task_log=lambda step, m, n=seq_len: logger.log_task_step(n, step, m),
-                                task_cache=task_cache)
+                                task_cache=task_cache, measure=team.measure if team else measure_quietest)
                 for sink in (store, logger, display):  # each new row: written, logged, shown
                     sink.add(row)
                 series_rows[key] = row.record()
@@ -314,9 +322,9 @@ def sweep_group(s: Settings) -> str | None:
 def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device,
               environment: envmod.Environment, budget: int | None, options: tuple,
               on_phase=lambda phase: None, task_log=None, task_cache: dict | None = None,
-              stop: str | None = None) -> Result:
-    """One point measured (or, with ``stop``, recorded skipped with that reason): never raises for a
-    failure of the point itself."""
+              stop: str | None = None, measure=None) -> Result:
+    """One point measured (by ``measure``, default measure_quietest; or, with ``stop``, recorded skipped
+    with that reason): never raises for a failure of the point itself."""
     B, H, N, D = s.batch_at(seq_len), s.num_heads, seq_len, s.head_dim
     element_size = torch.empty((), dtype=s.torch_dtype).element_size()
     rec: dict[str, Any] = dict.fromkeys(FIELDS)
@@ -337,7 +345,7 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
                        reason=f"analytic memory {needed / 1e9:.3g} GB (inputs included) exceeds the memory "
                               f"budget {budget / 1e9:.3g} GB (memory_budget_gb)")
         else:
-            rec = measure_quietest(attn, s, N, device, rec, on_phase)
+            rec = (measure or measure_quietest)(attn, s, N, device, rec, on_phase)
             rec["backend_ran"] = getattr(attn, "last_backend", None) or attn.backend
             if attn.backend == "flex":  # what the kernel computed: whole tiles of its BlockMask (cached
                 from variants.flex import block_mask_stats  # on the device by the warm-up)

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SWEEP_SH = ROOT / "scripts" / "sweep.sh"
 DASHBOARD = ROOT / "scripts" / "wandb_dashboard.py"
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml"))
-VARIANTS = sorted(p.stem for p in (ROOT / "conf" / "variant").glob("*.yaml"))
+# cpu_small's grid: every single-process variant (ring and ulysses have their own preset, sequence_parallel)
+VARIANTS = sorted(p.stem for p in (ROOT / "conf" / "variant").glob("*.yaml") if "world_size" not in p.read_text())
 SEQ_LENS = [32, 64]
 TINY = [f"seq_lens=[{','.join(map(str, SEQ_LENS))}]", "num_heads=1", "head_dim=8", "measure.min_run_time=0.01",
         "measure.warmup_iters=1", "fidelity.enabled=false", "logger=none"]

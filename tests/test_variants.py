@@ -283,7 +283,7 @@ def test_flops_and_facts():
 def test_build_matches_yaml_registry():
     names = {p.stem for p in VARIANT_YAMLS}
     assert names == set(variants.REGISTRY) == {"full", "sparse", "blockwise", "sliding_window", "linear",
-                                                "adaptive_span"}
+                                                "adaptive_span", "ring", "ulysses"}
     for path in VARIANT_YAMLS:
         assert type(from_yaml(path)) is variants.REGISTRY[path.stem]
 

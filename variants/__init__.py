@@ -1,4 +1,5 @@
-"""Attention variants behind one interface: ``attn(q, k, v, causal=False)`` on (B, H, N, D).
+"""Attention variants behind one interface: ``attn(q, k, v, causal=False)`` on (B, H, N, D); ring and
+ulysses split the sequence over the ranks of a process group (variants/seqpar.py).
 
     >>> import variants
     >>> attn = variants.build("sliding_window", window=64)
@@ -12,11 +13,13 @@ from .base import Attention, Flops, VariantError, dense_attention
 from .blockwise import Blockwise
 from .full import Full
 from .linear import Linear
+from .ring import Ring
 from .sliding_window import SlidingWindow
 from .sparse import Sparse
+from .ulysses import Ulysses
 
 REGISTRY: dict[str, type[Attention]] = {cls.name: cls for cls in (Full, Sparse, Blockwise, SlidingWindow, Linear,
-                                                                 AdaptiveSpan)}
+                                                                 AdaptiveSpan, Ring, Ulysses)}
 
 
 def build(name: str, **options) -> Attention:
@@ -27,4 +30,4 @@ def build(name: str, **options) -> Attention:
 
 
 __all__ = ["Attention", "Flops", "VariantError", "REGISTRY", "build", "dense_attention",
-           "Full", "Sparse", "Blockwise", "SlidingWindow", "Linear", "AdaptiveSpan"]
+           "Full", "Sparse", "Blockwise", "SlidingWindow", "Linear", "AdaptiveSpan", "Ring", "Ulysses"]

@@ -89,6 +89,12 @@ class Attention(nn.Module):
         """True when the variant computes the same function as ``full``."""
         return False
 
+    @property
+    def heads_independent(self) -> bool:
+        """True when each head's output depends on that head's q, k, v only, the same way for every head
+        (what lets Ulysses run a head shard on its own)."""
+        return True
+
     def available_backends(self, device: torch.device | str) -> list[str]:
         cuda = torch.device(device).type == "cuda"
         return [b for b in self.backend_names() if cuda or not self.backends[b]]

@@ -45,6 +45,10 @@ class Linear(Attention):
     backends = {"math": False, "sdpa": False}
     supports_causal = False
 
+    @property
+    def heads_independent(self) -> bool:
+        return self.options.share != "none"  # share=none: E_h, F_h of head h
+
     def __init__(self, **options) -> None:
         super().__init__(**options)
         o = self.options

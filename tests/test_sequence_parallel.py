@@ -1,0 +1,277 @@
+"""ring and ulysses on real gloo process groups (CPU): gathered outputs and gradients against the float64
+reference, memory per rank against P, a failing rank, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import variants
+from harness.distributed import Rendezvous, free_port, init_group
+from harness.memory import cpu_peak_bytes
+from variants import VariantError
+from variants.seqpar import shard, shard_runs, unshard
+
+from .conftest import ROOT, qkv
+
+N = 61  # not divisible by 2 or 3, nor by 2P (zigzag chunks)
+
+RING_CASES = [("ring", {"layout": layout, "inner": inner, "inner_options": inner_options})
+              for layout in ("contiguous", "zigzag")
+              for inner, inner_options in (("full", None), ("blockwise", {"block_size": 7}))]
+# Every single-device variant whose heads are independent, inside Ulysses.
+ULYSSES_CASES = [("ulysses", {"inner": "full", "backend": "math"}),
+                 ("ulysses", {"inner": "full"}),
+                 ("ulysses", {"inner": "blockwise", "inner_options": {"block_size": 16}}),
+                 ("ulysses", {"inner": "blockwise", "inner_options": {"mode": "local", "block_size": 16}}),
+                 ("ulysses", {"inner": "sliding_window", "inner_options": {"window": 5, "global_tokens": 2}}),
+                 ("ulysses", {"inner": "sparse", "inner_options": {"pattern": "bigbird", "block_size": 8}}),
+                 ("ulysses", {"inner": "linear", "inner_options": {"proj_dim": 16, "max_seq_len": 64}})]
+
+
+def run_ranks(fn, P: int, *args) -> None:
+    """``fn(rank, P, *args)`` in P processes joined in one gloo group; a failing rank fails the call."""
+    mp.spawn(_rank_main, args=(P, free_port(), fn, args), nprocs=P, join=True)
+
+
+def _rank_main(rank, P, port, fn, args):
+    torch.set_num_threads(1)
+    init_group(Rendezvous(rank, P, "127.0.0.1", port, rank), timeout_s=60)
+    try:
+        fn(rank, P, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def every_check(rank, P, out_path):
+    """Starting processes is the slow part (seconds each on a loaded machine), so one group of P ranks
+    runs every check; each check's failure (one rank's traceback) is written for its own test."""
+    import traceback
+
+    checks = {"float64": lambda: check_against_reference(rank, P, RING_CASES + ULYSSES_CASES, torch.float64),
+              "float32": lambda: check_against_reference(rank, P, RING_CASES[1:2] + RING_CASES[3:], torch.float32),
+              "peak": lambda: measure_peak(rank, P),
+              "indivisible": lambda: ulysses_indivisible(rank, P)}
+    results = {}
+    for name, check in checks.items():
+        try:
+            results[name] = check()
+        except Exception:
+            results[name] = {"error": f"rank {rank}: {traceback.format_exc()}"}
+    per_rank = [None] * P
+    dist.all_gather_object(per_rank, results)
+    if rank == 0:
+        out_path.write_text(json.dumps(per_rank))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """P -> every rank's results of every_check."""
+    cache = {}
+
+    def get(P):
+        if P not in cache:
+            path = tmp_path_factory.mktemp(f"P{P}") / "checks.json"
+            run_ranks(every_check, P, path)
+            cache[P] = json.loads(path.read_text())
+        return cache[P]
+
+    return get
+
+
+def passed(per_rank, name):
+    errors = [r[name]["error"] for r in per_rank if isinstance(r[name], dict) and "error" in r[name]]
+    assert not errors, errors[0]
+    return [r[name] for r in per_rank]
+
+
+def gathered(x: torch.Tensor, P: int, layout: str) -> torch.Tensor:
+    shards = [None] * P
+    dist.all_gather_object(shards, x.detach())
+    return unshard(shards, layout)
+
+
+def check_against_reference(rank, P, cases, dtype):
+    for name, options in cases:
+        attn = variants.build(name, world_size=P, **options)
+        for causal in (False, True):
+            if causal and not attn.supports_causal:
+                continue
+            q, k, v = qkv(1, 6, N, 8, dtype=dtype, seed=3)  # the same whole tensors on every rank
+            grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+            layout = attn.layout_name
+            local = [shard(t.detach(), rank, P, layout).requires_grad_() for t in (q, k, v)]
+            out = attn(*local, causal=causal)
+            out.backward(shard(grad, rank, P, layout).to(dtype))
+            assert attn.bytes_sent > 0
+            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            ref = attn.reference(q64, k64, v64, causal=causal)
+            want = [ref, *torch.autograd.grad(ref, (q64, k64, v64), grad)]
+            got = [gathered(t, P, layout) for t in (out, *(t.grad for t in local))]
+            eps = 1e-10 if dtype == torch.float64 else 2e-5
+            for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+                torch.testing.assert_close(g.double(), w, rtol=eps * 10, atol=eps * max(1.0, w.abs().max().item()),
+                                           msg=lambda m: f"P={P} {name} {options} causal={causal} {what}: {m}")
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_ring_and_ulysses_equal_the_float64_reference(ranks, P):
+    passed(ranks(P), "float64")  # H=6: P divides it
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_ring_float32_within_rounding(ranks, P):
+    passed(ranks(P), "float32")
+
+
+def test_layouts_and_unshard():
+    assert shard_runs(10, 2, "contiguous") == [[(0, 5)], [(5, 10)]]
+    assert shard_runs(11, 2, "zigzag") == [[(0, 3), (9, 11)], [(3, 6), (6, 9)]]
+    x = torch.arange(2 * 23 * 1, dtype=torch.float64).view(1, 1, 46, 1)
+    for layout in ("contiguous", "zigzag"):
+        for P in (1, 2, 3, 5):
+            assert torch.equal(unshard([shard(x, r, P, layout) for r in range(P)], layout), x)
+    with pytest.raises(VariantError, match="N=5 is shorter than the 6 chunks"):
+        shard_runs(5, 3, "zigzag")
+
+
+def test_zigzag_balances_causal_work():
+    """Every rank computes the same number of score tiles under causal with zigzag; not so contiguous."""
+    from variants.ring import tiles
+    from variants.seqpar import local_runs
+
+    def work(layout):
+        runs = [local_runs(r) for r in shard_runs(1024, 4, layout)]
+        return [sum((qe - qs) * (ke - ks) for k in runs for (qs, qe, _), (ks, ke, _), _ in tiles(q, k, True, None))
+                for q in runs]
+
+    zz, cont = work("zigzag"), work("contiguous")
+    assert max(zz) == min(zz) and max(cont) > 3 * min(cont)
+
+
+def measure_peak(rank, P):
+    """Peak bytes of one ring forward+backward in this rank (N=1024, float32), as the harness measures."""
+    attn = variants.build("ring", world_size=P, layout="zigzag")
+    whole = (*qkv(1, 2, 1024, 32, torch.float32, 5), torch.randn(1, 2, 1024, 32))
+    q, k, v, g = (shard(t.detach(), rank, P, "zigzag").contiguous() for t in whole)
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def fwd_bwd():
+        attn(q, k, v, causal=False).backward(g)
+
+    fwd_bwd()  # warm-up
+    return cpu_peak_bytes(fwd_bwd)
+
+
+def test_ring_peak_memory_per_rank_falls_with_P(ranks):
+    """The harness's own measurement (profiler allocation replay) in each rank, at fixed N; P=1 is the
+    same code in one process (no group)."""
+    peaks = {1: measure_peak(0, 1), 2: max(passed(ranks(2), "peak")), 3: max(passed(ranks(3), "peak"))}
+    # A whole-shard tile is (N/P)^2, so the peak falls at least as 1/P.
+    assert peaks[2] < 0.6 * peaks[1] and peaks[3] < 0.75 * peaks[2], peaks
+
+
+def test_bad_options():
+    for name, options, expect in [
+        ("ring", {"world_size": 0}, "ring: world_size must be an integer >= 1; got 0"),
+        ("ring", {"inner": "sliding_window"}, "ring: inner must be an exact variant"),
+        ("ring", {"inner": "blockwise", "inner_options": {"mode": "local"}}, "ring: inner must be an exact variant"),
+        ("ring", {"layout": "striped"}, "ring: unknown layout 'striped'; allowed: contiguous, zigzag"),
+        ("ulysses", {"inner": "ring"}, "ulysses: inner must be a single-device variant; got 'ring'"),
+        ("ulysses", {"inner": "linear", "inner_options": {"share": "none", "num_heads": 4}}, "treats heads differently"),
+        ("ulysses", {"inner": "full", "inner_options": {"backend": "math"}}, "as variant.backend"),
+    ]:
+        with pytest.raises(VariantError, match=expect.replace("(", r"\(")):
+            variants.build(name, **options)
+
+
+def ulysses_indivisible(rank, P):
+    q, k, v = (shard(t.detach(), rank, P, "contiguous") for t in qkv(1, P + 1, 20, 4))
+    with pytest.raises(VariantError, match=f"ulysses: num_heads H={P + 1} is not divisible by the {P} ranks"):
+        variants.build("ulysses", world_size=P)(q, k, v)
+
+
+def test_ulysses_refuses_indivisible_heads_in_the_forward(ranks):
+    passed(ranks(2), "indivisible")
+
+
+# ----- through the harness: python -m harness ... variant.world_size=P --------------------------------
+
+class FailingRing(variants.Ring):
+    """A ring whose rank 1 raises at N=64: the point must become an error row, the next point run."""
+
+    def _attend(self, q, k, v, causal, backend):
+        _, rank, size = self.process_group()
+        if rank == 1 and size > 1 and q.shape[-2] == 32:  # N=64
+            raise RuntimeError("injected failure on rank 1")
+        return super()._attend(q, k, v, causal, backend)
+
+
+def harness(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "harness", "logger=none", "num_heads=2", "head_dim=8",
+                           "measure.min_run_time=0.01", "measure.min_samples=2", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_harness_spawns_the_ranks_and_a_failing_rank_is_an_error_row(tmp_path):
+    start = time.monotonic()
+    proc = harness("variant=ring", f"variant._target_={__name__}.FailingRing", "seq_lens=[64,75]",
+                   "distributed.timeout_s=3", f"hydra.run.dir={tmp_path}")
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["seq_len"], r["status"]) for r in rows] == [(64, "error"), (75, "ok")]
+    assert rows[0]["reason"] == "rank 1: RuntimeError: injected failure on rank 1"
+    ok = rows[1]
+    assert ok["world_size"] == 2 and ok["dist_backend"] == "gloo" and ok["opt_world_size"] == 2
+    assert len(ok["peak_mem_per_rank_bytes"]) == 2 and ok["peak_mem_bytes"] == max(ok["peak_mem_per_rank_bytes"])
+    # 75 rows over 2 ranks, zigzag chunks 19, 19, 19, 18: shards of 37 and 38 rows (K and V: 2 x 2 heads x
+    # 8 x 4 bytes a row). Each rank sends its K, V forward and backward, then the gradient accumulators of
+    # its own shard and of the other's.
+    assert ok["bytes_sent_per_rank"] == [128 * (3 * 37 + 38), 128 * (3 * 38 + 37)]
+    assert ok["fwd_ms"] > 0 and ok["fwd_bwd_ms"] > 0
+    assert took < 90, took  # bounded by the 3 s timeout, not a hang
+
+
+@pytest.mark.parametrize("args,line", [
+    (["variant=ring", "variant.world_size=0"], "error: ring: world_size must be an integer >= 1; got 0"),
+    (["variant=ulysses", "num_heads=3"], "error: ulysses: num_heads=3 is not divisible by world_size=2; "
+                                         "allowed: num_heads a multiple of 2"),
+    (["variant=ring", "variant.inner=sliding_window"], "error: ring: inner must be an exact variant"),
+    (["variant=ring", "distributed.timeout_s=0"], "error: distributed.timeout_s must be a number of seconds > 0"),
+])
+def test_bad_input_is_one_line(args, line, tmp_path):
+    proc = harness(*args, f"hydra.run.dir={tmp_path / 'out'}")
+    assert proc.returncode == 2 and proc.stderr.startswith(line) and proc.stderr.count("\n") == 1, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_torchrun_joins_the_launchers_group(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           f"--master-port={free_port()}", "-m", "harness", "logger=none", "variant=ulysses",
+                           "variant.inner=sliding_window", "variant.inner_options={window:8}", "num_heads=2",
+                           "head_dim=8", "seq_len=50", "measure.min_run_time=0.01", "measure.min_samples=2",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert (row["status"], row["world_size"], row["opt_inner"]) == ("ok", 2, "sliding_window"), row["reason"]
+
+
+def test_sweep_preset_runs_ring_and_ulysses(tmp_path):
+    """The preset sweeps variant options across two variants: the command line's check accepts them."""
+    proc = subprocess.run([sys.executable, "-m", "harness", "-m", "sweep=sequence_parallel", "logger=none",
+                           "variant.world_size=1", "seq_lens=[32]", "num_heads=2", "head_dim=8",
+                           "measure.min_run_time=0.01", "measure.min_samples=2", f"hydra.sweep.dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for p in sorted(tmp_path.glob("*/results.jsonl")) for line in p.read_text().splitlines()]
+    assert sorted((r["variant"], r["status"]) for r in rows) == [("ring", "ok"), ("ulysses", "ok")]

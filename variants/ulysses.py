@@ -1,0 +1,145 @@
+"""ulysses: any single-device variant over a sequence split across P ranks (DeepSpeed-Ulysses, Jacobs
+et al. 2023).
+
+Rank p holds the contiguous shard p of q, k, v, (B, H, n_p, D) (uneven shards: variants/seqpar.py, which
+also says how the forward takes the local shard). One all-to-all turns sequence shards into head
+shards: rank p gets heads [p·H/P, (p+1)·H/P) of the whole sequence, (B, H/P, N, D); the wrapped
+variant (``inner``, with ``inner_options``) runs on them unchanged; a second all-to-all turns its output
+back into sequence shards. The backward is the same two all-to-alls reversed. It computes exactly the
+inner variant's function when that function treats heads independently (the same mask or projections
+for every head): linear with share=none (one E_h, F_h per head) is refused. Needs H % P == 0.
+Memory per rank: the inner variant's at (B, H/P, N, D).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .base import require
+from .seqpar import SequenceParallel
+
+
+@dataclass(frozen=True)
+class UlyssesOptions:
+    world_size: int = 2  # processes the harness starts (the process group, when there is one, decides)
+    inner: str = "full"  # the single-device variant run on each head shard
+    inner_options: dict | None = None  # its options, e.g. {window: 64} for sliding_window
+    backend: str | None = None  # the inner variant's backend (its own names); null: its default
+
+
+class Ulysses(SequenceParallel):
+    name = "ulysses"
+    Options = UlyssesOptions
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        inner = self.wrapped
+        require(getattr(inner, "heads_independent", True),
+                f"ulysses: inner {inner.name} with {inner.extra_repr()} treats heads differently (one projection "
+                f"per head), so head shards would change its function; use share=headwise or kv")
+
+    def inner_build_options(self, inner_options: dict[str, Any]) -> dict[str, Any]:
+        require("backend" not in inner_options,
+                "ulysses: give the inner variant's backend as variant.backend, not in inner_options")
+        return {**inner_options, "backend": self.options.backend}
+
+    # The inner variant's facts: the same function, backends and support.
+    def backend_names(self) -> list[str]:
+        return self.wrapped.backend_names()
+
+    def available_backends(self, device: torch.device | str) -> list[str]:
+        return self.wrapped.available_backends(device)
+
+    @property
+    def backends(self) -> dict[str, bool]:
+        return self.wrapped.backends
+
+    @property
+    def supports_causal(self) -> bool:
+        return self.wrapped.supports_causal
+
+    def causal_error(self) -> str:
+        return f"ulysses: inner {self.wrapped.causal_error()}"
+
+    @property
+    def is_exact(self) -> bool:
+        return self.wrapped.is_exact
+
+    def mask(self, seq_len: int, causal: bool = False) -> Tensor | None:
+        return self.wrapped.mask(seq_len, causal)
+
+    def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
+        return self.wrapped.allowed_pairs(seq_len, causal)
+
+    def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
+        return self.wrapped.executed_pairs(seq_len, causal)
+
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+        """Per rank: the inner variant's at H/P heads, plus the all-to-all buffers (q, k, v, o and their
+        gradients in both layouts)."""
+        P = self.options.world_size
+        heads = max(1, H // P)
+        return (self.wrapped.memory_bytes(B, heads, N, D, element_size, causal)
+                + element_size * B * H * -(-N // P) * D * 16)
+
+    def reference(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
+        return self.wrapped.reference(q, k, v, causal)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
+        group, rank, size = self.process_group()
+        if size == 1:
+            return self.wrapped(q, k, v, causal=causal)
+        H = q.shape[1]
+        require(H % size == 0, f"ulysses: num_heads H={H} is not divisible by the {size} ranks; allowed: "
+                               f"H a multiple of world_size")
+        lengths = self.shard_lengths(q.shape[-2], q.device, group, size)
+        qkv = AllToAll.apply(torch.stack((q, k, v)), seq_to_heads, heads_to_seq, self, group, rank,
+                             lengths)  # (3, B, H/P, N, D)
+        out = self.wrapped(qkv[0], qkv[1], qkv[2], causal=causal)  # (B, H/P, N, D)
+        self.last_backend = getattr(self.wrapped, "last_backend", None)
+        return AllToAll.apply(out, heads_to_seq, seq_to_heads, self, group, rank, lengths)  # (B, H, n_rank, D)
+
+
+def seq_to_heads(x: Tensor, attn: Ulysses, group, rank: int, lengths: list[int]) -> Tensor:
+    """(..., H, n_rank, D) -> (..., H/P, N, D): head group p goes to rank p; the sequence shards that
+    arrive are laid end to end in rank order (contiguous layout)."""
+    P = len(lengths)
+    lead, (H, n, D) = x.shape[:-3], x.shape[-3:]
+    send = x.unflatten(-3, (P, H // P)).movedim(-4, 0).contiguous()  # (P, ..., H/P, n, D)
+    per_piece = send[0].numel() // n
+    recv = x.new_empty(per_piece * sum(lengths))
+    dist.all_to_all_single(recv, send.reshape(-1), [per_piece * m for m in lengths], [send[0].numel()] * P,
+                           group=group)
+    attn.bytes_sent += (send.numel() - send[rank].numel()) * send.element_size()
+    pieces = recv.split([per_piece * m for m in lengths])
+    return torch.cat([p.view(*lead, H // P, m, D) for p, m in zip(pieces, lengths)], dim=-2)
+
+
+def heads_to_seq(x: Tensor, attn: Ulysses, group, rank: int, lengths: list[int]) -> Tensor:
+    """The inverse of ``seq_to_heads``: (..., H/P, N, D) -> (..., H, n_rank, D)."""
+    P = len(lengths)
+    lead, (h, _, D) = x.shape[:-3], x.shape[-3:]
+    pieces = [p.reshape(-1) for p in x.split(lengths, dim=-2)]  # rank p's positions, (..., h, n_p, D) each
+    send = torch.cat(pieces)
+    recv = x.new_empty(P * pieces[rank].numel())
+    dist.all_to_all_single(recv, send, [pieces[rank].numel()] * P, [p.numel() for p in pieces], group=group)
+    attn.bytes_sent += (send.numel() - pieces[rank].numel()) * send.element_size()
+    return recv.view(P, *lead, h, lengths[rank], D).movedim(0, -4).flatten(-4, -3)  # (..., H, n_rank, D)
+
+
+class AllToAll(torch.autograd.Function):
+    """``there`` (seq_to_heads or heads_to_seq) forward; the other one, its inverse, backward."""
+
+    @staticmethod
+    def forward(ctx, x, there, back, attn, group, rank, lengths):
+        ctx.back, ctx.args = back, (attn, group, rank, lengths)
+        return there(x, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.back(grad.contiguous(), *ctx.args), None, None, None, None, None, None
