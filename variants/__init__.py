@@ -11,10 +11,11 @@ from .base import Attention, Flops, VariantError, dense_attention
 from .blockwise import Blockwise
 from .full import Full
 from .linear import Linear
+from .reformer import Reformer
 from .sliding_window import SlidingWindow
 from .sparse import Sparse
 
-REGISTRY: dict[str, type[Attention]] = {cls.name: cls for cls in (Full, Sparse, Blockwise, SlidingWindow, Linear)}
+REGISTRY: dict[str, type[Attention]] = {cls.name: cls for cls in (Full, Sparse, Blockwise, SlidingWindow, Linear, Reformer)}
 
 
 def build(name: str, **options) -> Attention:
@@ -25,4 +26,4 @@ def build(name: str, **options) -> Attention:
 
 
 __all__ = ["Attention", "Flops", "VariantError", "REGISTRY", "build", "dense_attention",
-           "Full", "Sparse", "Blockwise", "SlidingWindow", "Linear"]
+           "Full", "Sparse", "Blockwise", "SlidingWindow", "Linear", "Reformer"]
