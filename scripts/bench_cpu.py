@@ -33,6 +33,7 @@ CONFIGS = {  # name -> overrides of conf/config.yaml
     "sliding_window": ["variant=sliding_window", "variant.window=256"],
     "sparse": ["variant=sparse", "variant.pattern=fixed"],
     "linear": ["variant=linear", "variant.proj_dim=256"],
+    "reformer": ["variant=reformer", "variant.bucket_size=64", "variant.n_hashes=2"],
 }
 WORKLOAD = ["batch_size=1", "num_heads=4", "head_dim=64", "dtype=float32", "device=cpu", "causal=false"]
 SEQ_LENS = [1024, 2048, 4096, 8192, 16384]

@@ -69,7 +69,11 @@ def hash_buckets(q: Tensor, rotations: Tensor, row_chunk: int) -> Tensor:
         for t in range(R.shape[0]):
             for r0 in range(0, N, row_chunk):
                 x = q[:, :, r0:r0 + row_chunk] @ R[t]  # (B, H, rows, n_buckets/2)
-                out[:, :, t, r0:r0 + row_chunk] = torch.cat([x, -x], dim=-1).argmax(dim=-1)
+                # argmax of [x ; −x] without building it: max and min both return the first index on
+                # ties, and the x half comes first, so it wins a tie with the −x half.
+                hi, lo = x.max(dim=-1), x.min(dim=-1)
+                out[:, :, t, r0:r0 + row_chunk] = torch.where(hi.values >= -lo.values, hi.indices,
+                                                              lo.indices + x.shape[-1])
     return out
 
 
@@ -189,57 +193,68 @@ class Reformer(Attention):
         acc = torch.promote_types(q.dtype, torch.float32)
         with torch.no_grad():  # the layout: which positions meet, and how often
             perm, rank = sort_rounds(self.buckets(q))  # (B, H, r, N)
-            pad = n_c * c - N  # padded slots hold position N: a key never allowed, a query dropped
-            perm_p = F.pad(perm, (0, pad), value=N)  # (B, H, r, n_c·c)
-            pos_q = perm_p.unflatten(-1, (n_c, c))  # (B, H, r, n_c, c): original positions
-            pos_k = look_back(pos_q, n_c)  # (B, H, r, n_c, w)
-            i, j = pos_q[..., :, None], pos_k[..., None, :]  # (…, c, 1), (…, 1, w)
-            keep = (j < N) & (j <= i) if causal else (j < N) & (i < N)  # (B, H, r, n_c, c, w)
-            others = keep & (j != i)  # (B, H, r, n_c, c, w)
-            # Self only where no round offers anything else.
-            alone = ~unsort(others.any(dim=-1).flatten(-2), rank).any(dim=2)  # (B, H, N)
-            alone_s = F.pad(alone, (0, 1)).gather(-1, perm_p.flatten(2)).view_as(pos_q)  # (B, H, r, n_c, c)
-            keep = others | (keep & (j == i) & alone_s[..., None])
-            # Rounds that find (i, j): log of the count is subtracted so the union counts j once.
-            found = torch.zeros(keep.shape, dtype=torch.uint8, device=q.device) if r > 1 else None
-            chunk = F.pad(rank // c, (0, 1), value=-2)  # (B, H, r, N + 1): padded keys match nothing
-            for t in range(r) if r > 1 else ():
-                ct = chunk[:, :, t]  # (B, H, N + 1)
-                ci = ct.gather(-1, pos_q.flatten(2)).view_as(pos_q)[..., :, None]  # (B, H, r, n_c, c, 1)
-                cj = ct.gather(-1, pos_k.flatten(2)).view_as(pos_k)[..., None, :]  # (B, H, r, n_c, 1, w)
-                found += (cj == ci) | (cj == (ci - 1) % n_c)
-            log_count = found.clamp(min=1).to(acc).log() if r > 1 else None
+            # Sorted order padded to n_c·c slots with position N: a key never kept, a query dropped.
+            pos_q = F.pad(perm, (0, n_c * c - N), value=N).unflatten(-1, (n_c, c))  # (B, H, r, n_c, c)
+            pos_k = look_back(pos_q, n_c)  # (B, H, r, n_c, w): its chunk, then the one before
+            bias = self._bias(pos_q, pos_k, rank, causal, acc)  # (B, H, r, n_c, c, w)
 
-        khat = normalise(q.to(acc))  # (B, H, N, D)
-        qs, ks, vs = (gather_sorted(t, perm_p, n_c, c) for t in (q.to(acc), khat, v.to(acc)))  # (B, H, r, n_c, c, D)
-        s = (qs @ look_back(ks, n_c, dim=-2).transpose(-2, -1)) * self.scale(D)  # (B, H, r, n_c, c, w)
-        if log_count is not None:
-            s = s - log_count
-        s = s.masked_fill(~keep, float("-inf"))
+        # Gathered straight from the (padded) inputs in each round's order; autograd scatters back.
+        qs = gather_rows(q.to(acc) * self.scale(D), pos_q)  # (B, H, r, n_c, c, D)
+        kw = gather_rows(normalise(q.to(acc)), pos_k)  # (B, H, r, n_c, w, D): k̂ of the window
+        vw = gather_rows(v.to(acc), pos_k)  # (B, H, r, n_c, w, D)
+        s = qs @ kw.transpose(-2, -1) + bias  # (B, H, r, n_c, c, w)
         m = s.detach().amax(dim=-1)  # (B, H, r, n_c, c): each round's max, -inf where it has nothing
         p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0)[..., None])  # 0 where not kept
-        o = p @ look_back(vs, n_c, dim=-2)  # (B, H, r, n_c, c, D): unnormalised
+        o = p @ vw  # (B, H, r, n_c, c, D): unnormalised
         # Back to original order, then merge the rounds under their common maximum.
         o, l, m = unsort(o.flatten(3, 4), rank), unsort(p.sum(-1).flatten(-2), rank), unsort(m.flatten(-2), rank)
         w = torch.exp(m - m.amax(dim=2, keepdim=True))  # (B, H, r, N): 0 for a round with nothing
         out = (w[..., None] * o).sum(dim=2) / (w * l).sum(dim=2)[..., None]  # (B, H, N, D)
         return out.to(q.dtype)
 
+    def _bias(self, pos_q: Tensor, pos_k: Tensor, rank: Tensor, causal: bool, dtype: torch.dtype) -> Tensor:
+        """Added to the window scores: −inf where the pair is not in P(i), −log(rounds that found it)
+        where it is (so that a key found by several rounds counts once). (B, H, r, n_c, c, w)."""
+        N, c, r = rank.shape[-1], pos_q.shape[-1], rank.shape[2]
+        n_c, w = pos_q.shape[-2], pos_k.shape[-1]
+        own = torch.eye(c, w, dtype=torch.bool, device=pos_q.device)  # (c, w): slot of i itself
+        if causal:
+            keep = pos_k[..., None, :] <= pos_q[..., :, None]  # j ≤ i (padded keys hold N)
+        else:
+            keep = (pos_k < N)[..., None, :].expand(*pos_q.shape, w)
+        others = keep & ~own
+        # Itself only where no round offers anything else.
+        alone = ~unsort(others.any(dim=-1).flatten(-2), rank).any(dim=2)  # (B, H, N)
+        keep = others | (own & gather_rows(alone[..., None], pos_q))  # (B, H, r, n_c, c, w)
+        if r == 1 or n_c == 1:  # each kept key found once, or by every round alike
+            return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+        # found[t] = 1 (round t itself) + the other rounds t' whose chunks put j in P_t'(i):
+        # C_t'(j) = C_t'(i) or C_t'(j) + 1 ≡ C_t'(i) (mod n_c).
+        chunk = F.pad(rank // c, (0, 1), value=-2)  # (B, H, r, N + 1): padded keys match nothing
+        found = torch.ones(keep.shape, dtype=torch.uint8, device=keep.device)
+        for t in range(r):
+            for u in range(r):
+                if u != t:
+                    ci = chunk[:, :, u].gather(-1, pos_q[:, :, t].flatten(2)).view_as(pos_q[:, :, t])[..., None]
+                    cj = chunk[:, :, u].gather(-1, pos_k[:, :, t].flatten(2)).view_as(pos_k[:, :, t])[..., None, :]
+                    found[:, :, t] += (cj == ci) | ((cj + 1) % n_c == ci)
+        return found.to(dtype).log_().neg_().masked_fill_(~keep, float("-inf"))
+
 
 def look_back(x: Tensor, n_c: int, dim: int = -1) -> Tensor:
     """Each chunk followed by the chunk before it (the first by the last); the chunk alone when n_c = 1.
 
-    x: (…, n_c, c[, D]); ``dim`` (negative) is the c axis, the chunk axis just before it; returns (…, n_c, w[, D])."""
+    x: (…, n_c, c[, D]); ``dim`` (negative) is the c axis, the chunk axis just before it."""
     if n_c == 1:
         return x
     return torch.cat([x, x.roll(1, dims=dim - 1)], dim=dim)  # roll: chunk C gets chunk C − 1
 
 
-def gather_sorted(x: Tensor, perm_p: Tensor, n_c: int, c: int) -> Tensor:
-    """x (B, H, N, D) in each round's sorted order, padded with a zero row: (B, H, r, n_c, c, D)."""
+def gather_rows(x: Tensor, pos: Tensor) -> Tensor:
+    """x (B, H, N, D) at positions ``pos`` (B, H, …) with N meaning a zero pad row: (B, H, …, D)."""
     B, H, N, D = x.shape
-    xp = F.pad(x, (0, 0, 0, 1))[:, :, None].expand(B, H, perm_p.shape[2], N + 1, D)  # (B, H, r, N + 1, D)
-    return xp.gather(3, perm_p[..., None].expand(*perm_p.shape, D)).unflatten(3, (n_c, c))
+    idx = pos.flatten(2)[..., None].expand(B, H, -1, D)
+    return F.pad(x, (0, 0, 0, 1)).gather(2, idx).view(*pos.shape, D)
 
 
 def unsort(x: Tensor, rank: Tensor) -> Tensor:
