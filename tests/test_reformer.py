@@ -288,3 +288,29 @@ def test_bad_options(options, expect):
     with pytest.raises(VariantError, match=expect) as err:
         variants.build("reformer", **options)
     assert "\n" not in str(err.value)
+
+
+# ----- inside the task's model ---------------------------------------------------------------------
+def test_trains_inside_the_model_and_leaves_wk_unused():
+    """The task's model projects k, but reformer never reads it: W_k gets no gradient, every other
+    parameter does. With N ≤ 2c every key is in a query's chunk or the one before, so the model is
+    strictly causal; beyond that the chunk boundaries depend on later positions (README)."""
+    from harness.model import TinyTransformer
+
+    N = 28
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab_size=16, max_seq_len=N, attention=lambda: variants.build("reformer", bucket_size=16),
+                            d_model=16, n_layers=2, n_heads=2, short_conv=3)
+    assert model.causal
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 16, (2, N), generator=gen)
+    model(tokens).square().mean().backward()
+    for name, p in model.named_parameters():
+        if ".wk." in name:
+            assert p.grad is None, name
+        else:
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    changed = tokens.clone()
+    changed[:, 14:] = torch.randint(0, 16, (2, N - 14), generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(model(changed)[:, :14], model(tokens)[:, :14], rtol=0, atol=1e-6)
