@@ -109,6 +109,13 @@ class Reformer(Attention):
                                                generator=gen)
         return self._rotations[key]
 
+    def set_rotations(self, rotations: Tensor) -> None:
+        """Use these rotations (n_hashes, H, D, n_buckets/2) for inputs of that H and D at every N whose
+        bucket count is n_buckets (to compare with another implementation given the same rotations)."""
+        r, H, D, half = rotations.shape
+        require(r == self.options.n_hashes, f"reformer: rotations hold {r} rounds; n_hashes={self.options.n_hashes}")
+        self._rotations[(H, D, 2 * half)] = rotations.detach().cpu()
+
     def buckets(self, q: Tensor) -> Tensor:
         """(B, H, r, N) bucket of every position in every round, hashed in at least float32."""
         B, H, N, D = q.shape
