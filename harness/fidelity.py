@@ -84,7 +84,7 @@ def _with_grads(attn: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, causal: 
     """attn's output and (dq, dk, dv) for the upstream gradient, on detached leaf copies of q, k, v."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     out = attn(*leaves, causal=causal)
-    grads = torch.autograd.grad(out, leaves, upstream.to(out.dtype))
+    grads = torch.autograd.grad(out, leaves, upstream.to(out.dtype), allow_unused=True)  # None: unused (reformer's k)
     return out.detach(), grads
 
 
@@ -126,15 +126,20 @@ def fidelity(attn: Attention, q: Tensor, k: Tensor, v: Tensor, causal: bool = Fa
         out_cos: cosine similarity of the flattened o and o_ref.
         out_max_abs_err: max |o − o_ref|.
         grad_rel_err: for one fixed random upstream gradient (seeded by ``grad_seed``), the largest of
-            the relative L2 errors of dq, dk, dv against the float64 exact gradients.
+            the relative L2 errors of dq, dk, dv against the float64 exact gradients (an input the
+            reference does not read, reformer's k, is left out).
         mass_kept: see ``mass_kept``; 1.0 for exact variants, None for variants without a mask.
 
     The variant runs in q's dtype; the reference is ``variants.Blockwise(mode="exact",
-    block_size=block_size)`` on float64 copies, O(N·block_size) memory forward and backward.
+    block_size=block_size)`` on float64 copies, O(N·block_size) memory forward and backward, or the
+    variant's ``exact_counterpart(block_size)`` where it has one (reformer: full attention on its
+    shared-QK keys with its self rule).
     """
     if causal and not attn.supports_causal:
         raise variants.VariantError(attn.causal_error())
-    reference = variants.Blockwise(mode="exact", block_size=block_size)
+    # Exact attention, or the variant's own exact counterpart (reformer: full attention on its keys).
+    counterpart = getattr(attn, "exact_counterpart", None)
+    reference = counterpart(block_size) if counterpart else variants.Blockwise(mode="exact", block_size=block_size)
     gen = torch.Generator().manual_seed(grad_seed)
     upstream = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(q.device)  # (B, H, N, D)
 
@@ -144,7 +149,7 @@ def fidelity(attn: Attention, q: Tensor, k: Tensor, v: Tensor, causal: bool = Fa
     o = out.double()
     err = o - ref_out
     cos = torch.nn.functional.cosine_similarity(o.flatten(), ref_out.flatten(), dim=0)
-    grad_rel_err = max(_rel(g.double() - r, r) for g, r in zip(grads, ref_grads))
+    grad_rel_err = max(_rel(g.double() - r, r) for g, r in zip(grads, ref_grads) if r is not None)
     return {
         "out_rel_err": _rel(err, ref_out),
         "out_cos": float(cos),

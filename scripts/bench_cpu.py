@@ -33,6 +33,7 @@ CONFIGS = {  # name -> overrides of conf/config.yaml
     "sliding_window": ["variant=sliding_window", "variant.window=256"],
     "sparse": ["variant=sparse", "variant.pattern=fixed"],
     "linear": ["variant=linear", "variant.proj_dim=256"],
+    "reformer": ["variant=reformer", "variant.bucket_size=64", "variant.n_hashes=2"],
     # spans at init (S = 256): the reach of sliding_window's w=256 plus the ramp
     "adaptive_span": ["variant=adaptive_span", "variant.max_span=256", "variant.ramp=32"],
 }

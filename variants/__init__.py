@@ -13,13 +13,14 @@ from .base import Attention, Flops, VariantError, dense_attention
 from .blockwise import Blockwise
 from .full import Full
 from .linear import Linear
+from .reformer import Reformer
 from .ring import Ring
 from .sliding_window import SlidingWindow
 from .sparse import Sparse
 from .ulysses import Ulysses
 
 REGISTRY: dict[str, type[Attention]] = {cls.name: cls for cls in (Full, Sparse, Blockwise, SlidingWindow, Linear,
-                                                                 AdaptiveSpan, Ring, Ulysses)}
+                                                                 Reformer, AdaptiveSpan, Ring, Ulysses)}
 
 
 def build(name: str, **options) -> Attention:
@@ -30,4 +31,4 @@ def build(name: str, **options) -> Attention:
 
 
 __all__ = ["Attention", "Flops", "VariantError", "REGISTRY", "build", "dense_attention",
-           "Full", "Sparse", "Blockwise", "SlidingWindow", "Linear", "AdaptiveSpan", "Ring", "Ulysses"]
+           "Full", "Sparse", "Blockwise", "SlidingWindow", "Linear", "Reformer", "AdaptiveSpan", "Ring", "Ulysses"]

@@ -1,0 +1,299 @@
+"""reformer: shared-QK LSH attention (Reformer, Kitaev et al. 2020).
+
+Shared-QK: the keys are the normalised queries, k̂_j = q_j / ‖q_j‖; the ``k`` argument is not used
+(its gradient is None). For each hash round t and head h a rotation R_{t,h} ∈ ℝ^{D × n_buckets/2}
+(entries N(0, 1), from a CPU generator seeded with ``seed``) hashes bucket_t(i) = argmax([q_i R ; −q_i R])
+(the first index on ties). Round t orders the positions by (bucket, position); the rank ρ_t(i) gives
+the chunk C_t(i) = ⌊ρ_t(i)/c⌋ of ``bucket_size`` c, and query i may see the keys of its chunk and of
+the one before, (C − 1) mod n_c (the first chunk looks back at the last). P(i) is the union over rounds,
+``∩ {j ≤ i}`` under causal (by original position); a key found in several rounds counts once; i itself
+is in P(i) only when nothing else is. Row i is softmax_{j ∈ P(i)}(q_i·k̂_j/√D) v_j.
+
+Causal masks the future keys, but which past keys a query sees depends on the hashes of every position
+(the chunk boundaries), as in the paper.
+
+Backends: ``lsh`` sorts, gathers each chunk and the one before (all chunks and rounds at once), scores
+c × 2c tiles, subtracts log(number of rounds that found the pair) so that duplicates count once
+(the paper's log N_ij correction), merges the rounds with their running maxima and unsorts:
+O(N·r·c) time and memory forward and backward. Hashing is done a few rows at a time so its
+temporaries stay O(N) too; its time is O(N·D·n_buckets). ``dense`` materialises the set (B, H, N, N)
+from the inputs: the readable path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .base import Attention, Flops, dense_attention, require
+
+
+@dataclass(frozen=True)
+class ReformerOptions:
+    bucket_size: int = 64  # c: chunk length; a query sees its chunk and the one before
+    n_hashes: int = 2  # r: hash rounds, the union of their sets (each key once)
+    n_buckets: int | None = None  # even; None: 2·⌈N/c⌉ (the paper's choice: about c keys per bucket)
+    seed: int = 0  # draws the rotations R_{t,h}, the same on every run and device
+    backend: str | None = None  # lsh | dense
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_size", "n_hashes"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value > 0, f"reformer: {name} must be an integer > 0; got {value!r}")
+        require(self.n_buckets is None or (isinstance(self.n_buckets, int) and self.n_buckets >= 2
+                                           and self.n_buckets % 2 == 0),
+                f"reformer: n_buckets must be an even integer >= 2, or null for 2·⌈N/bucket_size⌉; "
+                f"got {self.n_buckets!r}")
+        require(isinstance(self.seed, int), f"reformer: seed must be an integer; got {self.seed!r}")
+
+
+def normalise(q: Tensor) -> Tensor:
+    """k̂ = q / ‖q‖ (a zero query gives a zero key)."""
+    return F.normalize(q, dim=-1)
+
+
+def hash_buckets(q: Tensor, rotations: Tensor, row_chunk: int) -> Tensor:
+    """bucket_t(i) = argmax([q_i R_t ; −q_i R_t]), first index on ties: (B, H, r, N) int64.
+
+    q: (B, H, N, D); rotations: (r, H, D, n_buckets/2). ``row_chunk`` rows at a time, so the (rows,
+    n_buckets) temporaries stay small whatever N is."""
+    B, H, N, D = q.shape
+    out = torch.empty(B, H, rotations.shape[0], N, dtype=torch.long, device=q.device)
+    with torch.no_grad():
+        R = rotations.to(device=q.device, dtype=q.dtype)
+        for t in range(R.shape[0]):
+            for r0 in range(0, N, row_chunk):
+                x = q[:, :, r0:r0 + row_chunk] @ R[t]  # (B, H, rows, n_buckets/2)
+                # argmax of [x ; −x] without building it: max and min both return the first index on
+                # ties, and the x half comes first, so it wins a tie with the −x half.
+                hi, lo = x.max(dim=-1), x.min(dim=-1)
+                out[:, :, t, r0:r0 + row_chunk] = torch.where(hi.values >= -lo.values, hi.indices,
+                                                              lo.indices + x.shape[-1])
+    return out
+
+
+def sort_rounds(buckets: Tensor) -> tuple[Tensor, Tensor]:
+    """Order by (bucket, position): ``perm`` (position at each rank) and ``rank`` (ρ), (B, H, r, N)."""
+    perm = torch.sort(buckets, dim=-1, stable=True).indices  # stable: equal buckets keep position order
+    rank = torch.empty_like(perm)
+    rank.scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device).expand_as(perm))
+    return perm, rank
+
+
+class Reformer(Attention):
+    name = "reformer"
+    Options = ReformerOptions
+    backends = {"lsh": False, "dense": False}
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self._rotations: dict[tuple[int, int, int], Tensor] = {}
+
+    # ----- the hashing --------------------------------------------------------------------------------
+    def num_buckets(self, seq_len: int) -> int:
+        o = self.options
+        return o.n_buckets if o.n_buckets is not None else 2 * math.ceil(seq_len / o.bucket_size)
+
+    def rotations(self, num_heads: int, head_dim: int, n_buckets: int) -> Tensor:
+        """R: (n_hashes, H, D, n_buckets/2) float32 on CPU, one draw from torch.Generator seeded with
+        ``seed``: R[t, h] is round t's rotation for head h."""
+        key = (num_heads, head_dim, n_buckets)
+        if key not in self._rotations:
+            gen = torch.Generator().manual_seed(self.options.seed)
+            self._rotations[key] = torch.randn(self.options.n_hashes, num_heads, head_dim, n_buckets // 2,
+                                               generator=gen)
+        return self._rotations[key]
+
+    def set_rotations(self, rotations: Tensor) -> None:
+        """Use these rotations (n_hashes, H, D, n_buckets/2) for inputs of that H and D at every N whose
+        bucket count is n_buckets (to compare with another implementation given the same rotations)."""
+        r, H, D, half = rotations.shape
+        require(r == self.options.n_hashes, f"reformer: rotations hold {r} rounds; n_hashes={self.options.n_hashes}")
+        self._rotations[(H, D, 2 * half)] = rotations.detach().cpu()
+
+    def buckets(self, q: Tensor) -> Tensor:
+        """(B, H, r, N) bucket of every position in every round, hashed in at least float32."""
+        B, H, N, D = q.shape
+        nb = self.num_buckets(N)
+        rows = max(1, (N * self.options.bucket_size) // nb)  # temporaries of about N·c elements
+        return hash_buckets(q.to(torch.promote_types(q.dtype, torch.float32)), self.rotations(H, D, nb), rows)
+
+    def num_chunks(self, seq_len: int) -> int:
+        return math.ceil(seq_len / self.options.bucket_size)
+
+    def allowed_set(self, q: Tensor, causal: bool = False) -> Tensor:
+        """P(i) from the definition, materialised: (B, H, N, N) bool. O(N²): the dense path and the
+        reference only."""
+        N = q.shape[-2]
+        c, n_c = self.options.bucket_size, self.num_chunks(N)
+        _, rank = sort_rounds(self.buckets(q))
+        chunk = rank // c  # (B, H, r, N): C_t(i)
+        ci, cj = chunk[..., :, None], chunk[..., None, :]  # (B, H, r, N, 1), (B, H, r, 1, N)
+        found = ((cj == ci) | (cj == (ci - 1) % n_c)).any(dim=2)  # (B, H, N, N): union over rounds
+        i = torch.arange(N, device=q.device)
+        if causal:
+            found &= i[None, :] <= i[:, None]
+        others = found & (i[None, :] != i[:, None])
+        alone = ~others.any(dim=-1, keepdim=True)  # (B, H, N, 1): nothing but i itself
+        return others | (alone & torch.eye(N, dtype=torch.bool, device=q.device))
+
+    def mask(self, seq_len: int, causal: bool = False) -> None:
+        return None  # the set depends on q: see allowed_set(q, causal)
+
+    # ----- facts --------------------------------------------------------------------------------------
+    def window(self, seq_len: int) -> int:
+        """Keys gathered per query and round: its chunk and the one before (one chunk when n_c = 1)."""
+        c = self.options.bucket_size
+        return c if self.num_chunks(seq_len) == 1 else 2 * c
+
+    def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
+        """At most: per query min(r·window, keys it may see) (the set depends on q; duplicates shrink it)."""
+        cap = self.options.n_hashes * self.window(seq_len)
+        if not causal:
+            return seq_len * min(cap, seq_len)
+        k = min(cap, seq_len)  # queries i < k see at most i + 1 keys
+        return k * (k + 1) // 2 + (seq_len - k) * cap
+
+    def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
+        if self.backend == "dense":
+            return seq_len * seq_len
+        n_c = self.num_chunks(seq_len)
+        return self.options.n_hashes * n_c * self.options.bucket_size * self.window(seq_len)
+
+    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False) -> Flops:
+        # Hashing (q·R for every round: 2·N·D·n_buckets/2) is executed work beside the attention.
+        hashing = B * H * self.options.n_hashes * N * D * self.num_buckets(N)
+        return Flops(executed=4 * B * H * D * self.executed_pairs(N, causal) + hashing,
+                     useful=4 * B * H * D * self.allowed_pairs(N, causal))
+
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+        if self.backend == "dense":
+            return super().memory_bytes(B, H, N, D, element_size, causal)
+        # Per round, in sorted order: score tiles (scores, probabilities, their gradients), gathered
+        # q, k̂, v windows and their gradients, plus int64 indices and O(N·D) outputs.
+        r, pairs = self.options.n_hashes, self.executed_pairs(N, causal)
+        return element_size * B * H * (4 * pairs + 10 * r * N * D + 6 * N * D) + 8 * B * H * r * N * 6
+
+    # ----- call ---------------------------------------------------------------------------------------
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
+        if backend == "dense":
+            return dense_attention(q, normalise(q), v, self.allowed_set(q, causal), self.scale(q.shape[-1]))
+        return self._lsh(q, v, causal)
+
+    def reference(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
+        """The definition in float64, the set built from the inputs (``k`` unused)."""
+        q, v = q.double(), v.double()
+        return dense_attention(q, normalise(q), v, self.allowed_set(q, causal), self.scale(q.shape[-1]))
+
+    def exact_counterpart(self, block_size: int = 256) -> nn.Module:
+        """What fidelity compares with: full attention on k̂ with the same self rule."""
+        return SharedQKFull(block_size)
+
+    def _lsh(self, q: Tensor, v: Tensor, causal: bool) -> Tensor:
+        B, H, N, D = q.shape
+        c, r, n_c = self.options.bucket_size, self.options.n_hashes, self.num_chunks(N)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        with torch.no_grad():  # the layout: which positions meet, and how often
+            perm, rank = sort_rounds(self.buckets(q))  # (B, H, r, N)
+            # Sorted order padded to n_c·c slots with position N: a key never kept, a query dropped.
+            pos_q = F.pad(perm, (0, n_c * c - N), value=N).unflatten(-1, (n_c, c))  # (B, H, r, n_c, c)
+            pos_k = look_back(pos_q, n_c)  # (B, H, r, n_c, w): its chunk, then the one before
+            bias = self._bias(pos_q, pos_k, rank, causal, acc)  # (B, H, r, n_c, c, w)
+
+        # Gathered straight from the (padded) inputs in each round's order; autograd scatters back.
+        qs = gather_rows(q.to(acc) * self.scale(D), pos_q)  # (B, H, r, n_c, c, D)
+        kw = gather_rows(normalise(q.to(acc)), pos_k)  # (B, H, r, n_c, w, D): k̂ of the window
+        vw = gather_rows(v.to(acc), pos_k)  # (B, H, r, n_c, w, D)
+        s = qs @ kw.transpose(-2, -1) + bias  # (B, H, r, n_c, c, w)
+        m = s.detach().amax(dim=-1)  # (B, H, r, n_c, c): each round's max, -inf where it has nothing
+        p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0)[..., None])  # 0 where not kept
+        o = p @ vw  # (B, H, r, n_c, c, D): unnormalised
+        # Back to original order, then merge the rounds under their common maximum.
+        o, l, m = unsort(o.flatten(3, 4), rank), unsort(p.sum(-1).flatten(-2), rank), unsort(m.flatten(-2), rank)
+        w = torch.exp(m - m.amax(dim=2, keepdim=True))  # (B, H, r, N): 0 for a round with nothing
+        out = (w[..., None] * o).sum(dim=2) / (w * l).sum(dim=2)[..., None]  # (B, H, N, D)
+        return out.to(q.dtype)
+
+    def _bias(self, pos_q: Tensor, pos_k: Tensor, rank: Tensor, causal: bool, dtype: torch.dtype) -> Tensor:
+        """Added to the window scores: −inf where the pair is not in P(i), −log(rounds that found it)
+        where it is (so that a key found by several rounds counts once). (B, H, r, n_c, c, w)."""
+        N, c, r = rank.shape[-1], pos_q.shape[-1], rank.shape[2]
+        n_c, w = pos_q.shape[-2], pos_k.shape[-1]
+        own = torch.eye(c, w, dtype=torch.bool, device=pos_q.device)  # (c, w): slot of i itself
+        if causal:
+            keep = pos_k[..., None, :] <= pos_q[..., :, None]  # j ≤ i (padded keys hold N)
+        else:
+            keep = (pos_k < N)[..., None, :].expand(*pos_q.shape, w)
+        others = keep & ~own
+        # Itself only where no round offers anything else.
+        alone = ~unsort(others.any(dim=-1).flatten(-2), rank).any(dim=2)  # (B, H, N)
+        keep = others | (own & gather_rows(alone[..., None], pos_q))  # (B, H, r, n_c, c, w)
+        if r == 1 or n_c == 1:  # each kept key found once, or by every round alike
+            return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+        # found[t] = 1 (round t itself) + the other rounds t' whose chunks put j in P_t'(i):
+        # C_t'(j) = C_t'(i) or C_t'(j) + 1 ≡ C_t'(i) (mod n_c).
+        chunk = F.pad(rank // c, (0, 1), value=-2)  # (B, H, r, N + 1): padded keys match nothing
+        found = torch.ones(keep.shape, dtype=torch.uint8, device=keep.device)
+        for t in range(r):
+            for u in range(r):
+                if u != t:
+                    ci = chunk[:, :, u].gather(-1, pos_q[:, :, t].flatten(2)).view_as(pos_q[:, :, t])[..., None]
+                    cj = chunk[:, :, u].gather(-1, pos_k[:, :, t].flatten(2)).view_as(pos_k[:, :, t])[..., None, :]
+                    found[:, :, t] += (cj == ci) | ((cj + 1) % n_c == ci)
+        return found.to(dtype).log_().neg_().masked_fill_(~keep, float("-inf"))
+
+
+def look_back(x: Tensor, n_c: int, dim: int = -1) -> Tensor:
+    """Each chunk followed by the chunk before it (the first by the last); the chunk alone when n_c = 1.
+
+    x: (…, n_c, c[, D]); ``dim`` (negative) is the c axis, the chunk axis just before it."""
+    if n_c == 1:
+        return x
+    return torch.cat([x, x.roll(1, dims=dim - 1)], dim=dim)  # roll: chunk C gets chunk C − 1
+
+
+def gather_rows(x: Tensor, pos: Tensor) -> Tensor:
+    """x (B, H, N, D) at positions ``pos`` (B, H, …) with N meaning a zero pad row: (B, H, …, D)."""
+    B, H, N, D = x.shape
+    idx = pos.flatten(2)[..., None].expand(B, H, -1, D)
+    return F.pad(x, (0, 0, 0, 1)).gather(2, idx).view(*pos.shape, D)
+
+
+def unsort(x: Tensor, rank: Tensor) -> Tensor:
+    """Rows of each round's sorted order back to original positions: x (B, H, r, n_c·c[, D]) → (B, H, r, N[, D])."""
+    if x.dim() == rank.dim():
+        return x.gather(3, rank)
+    return x.gather(3, rank[..., None].expand(*rank.shape, x.shape[-1]))
+
+
+class SharedQKFull(nn.Module):
+    """Full attention on the keys k̂ = q/‖q‖ with reformer's self rule (i sees itself only when it may
+    see nothing else: causal position 0, or N = 1): reformer's exact counterpart, for fidelity.
+
+    ``block_size`` query rows at a time, each block checkpointed (its backward recomputes the block's
+    scores), so forward and backward hold O(N·block_size) per head, never N×N. ``k`` is unused."""
+
+    def __init__(self, block_size: int = 256) -> None:
+        super().__init__()
+        self.block_size = block_size
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
+        khat = normalise(q)
+        N, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
+        return torch.cat([checkpoint(_counterpart_rows, q[:, :, r0:r0 + self.block_size], khat, v, r0, causal, scale,
+                                     use_reentrant=False)
+                          for r0 in range(0, N, self.block_size)], dim=2)
+
+
+def _counterpart_rows(q_rows: Tensor, khat: Tensor, v: Tensor, r0: int, causal: bool, scale: float) -> Tensor:
+    N = khat.shape[-2]
+    i = torch.arange(r0, r0 + q_rows.shape[-2], device=q_rows.device)[:, None]  # (R, 1)
+    j = torch.arange(N, device=q_rows.device)[None, :]  # (1, N)
+    others = (j != i) & (j <= i) if causal else (j != i)  # (R, N)
+    allowed = others | ((j == i) & ~others.any(dim=-1, keepdim=True))
+    return dense_attention(q_rows, khat, v, allowed, scale)  # (B, H, R, D)
