@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the project, and bench_cpu beside this script
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
