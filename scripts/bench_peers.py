@@ -215,20 +215,19 @@ def main() -> None:
     opts = MeasureOptions(min_run_time=args.min_run_time, passes=("fwd_bwd",))
     env = collect(torch.device("cpu")).as_dict()
     started, rows = now(), []
+    args.out.mkdir(parents=True, exist_ok=True)
     for N in args.seq_lens:  # interleaved: every pair at one N before the next N
         for pair in pairs:
             row = run_pair(pair, N, opts, args.retries, args.max_other_cores)
             rows.append(row)
             print(f"{pair:16s} N={N:6d} time {row['time_ratio']:.2f}x  memory {row['mem_ratio']:.2f}x"
                   f"{'  (noisy)' if row['noisy'] else ''}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "results.json", {"started": started, "finished": now(), "env": env,
-                                           "workload": {"B": B, "H": H, "D": D, "dtype": "float32"},
-                                           "min_run_time": args.min_run_time, "rows": rows})
-    text = table(rows, env, args)
-    (args.out / "table.md").write_text(text)
-    print(text)
-
+            # Written after every pair, so an interrupted run keeps what it measured.
+            write_json(args.out / "results.json", {"started": started, "finished": now(), "env": env,
+                                                   "workload": {"B": B, "H": H, "D": D, "dtype": "float32"},
+                                                   "min_run_time": args.min_run_time, "rows": rows})
+            (args.out / "table.md").write_text(table(rows, env, args))
+    print((args.out / "table.md").read_text())
 
 if __name__ == "__main__":
     main()
