@@ -47,6 +47,7 @@ class Chunk:
     masked: tuple[int, int] | None  # query blocks [a, b) ⊆ rows with a partly allowed pair; None: none
     pattern: Tensor | None  # (b - a, c) ids into BlockPlan.patterns for the masked rows
     first: bool  # no earlier chunk touched these rows: the online softmax starts here
+    start: int | None  # shared keys that are consecutive blocks start here (read as a view, not gathered)
 
     @property
     def shared(self) -> bool:
@@ -90,7 +91,8 @@ class BlockPlan:
                 partial = (ic != ALLOWED).any(dim=1).nonzero().flatten()
                 masked = None if len(partial) == 0 else (int(partial[0]), int(partial[-1]) + 1)
                 pattern = None if masked is None else ic[masked[0]:masked[1]].contiguous()
-                chunks.append(Chunk((lo + r0, lo + r1), keys, masked, pattern, first=k0 == 0))
+                start = int(keys[0]) if keys.dim() == 1 and bool((keys.diff() == 1).all()) else None
+                chunks.append(Chunk((lo + r0, lo + r1), keys, masked, pattern, k0 == 0, start))
                 computed += (r1 - r0) * kc.shape[1]
         return BlockPlan(seq_len, b, causal, tuple(chunks), table.tensor(), allowed_pairs, computed,
                          int(layout.sum()))
@@ -99,7 +101,7 @@ class BlockPlan:
         """The plan's tensors on ``device`` (copied once per device)."""
         if device not in self._on:
             move = lambda t: None if t is None else t.to(device)  # noqa: E731
-            self._on[device] = (tuple(Chunk(ch.rows, move(ch.keys), ch.masked, move(ch.pattern), ch.first)
+            self._on[device] = (tuple(Chunk(ch.rows, move(ch.keys), ch.masked, move(ch.pattern), ch.first, ch.start)
                                       for ch in self.chunks), self.patterns.to(device))
         return self._on[device]
 
@@ -246,21 +248,15 @@ def _tiles(chunks, qb: Tensor, kb: Tensor, vb: Tensor):
         C = ch.keys.shape[-1] * b
         step = max(1, TILE_ELEMENTS // (B * H * b * C))
         if ch.shared:
-            kc, vc = (_gather(t, ch.keys).flatten(2, 3) for t in (kb, vb))  # (B, H, C, D)
+            c = len(ch.keys)  # consecutive blocks are a view (decided when planning: no device sync here)
+            kc, vc = ((t[:, :, ch.start:ch.start + c] if ch.start is not None else t.index_select(2, ch.keys))
+                      .flatten(2, 3) for t in (kb, vb))  # (B, H, C, D)
         for p0 in range(r0, r1, step):
             p1 = min(p0 + step, r1)
             if not ch.shared:
                 idx = ch.keys[p0 - r0:p1 - r0]  # (r, c)
-                kc, vc = (_gather(t, idx.flatten()).unflatten(2, idx.shape).flatten(3, 4) for t in (kb, vb))
+                kc, vc = (t.index_select(2, idx.flatten()).unflatten(2, idx.shape).flatten(3, 4) for t in (kb, vb))
             yield ch, p0, p1, kc, vc
-
-
-def _gather(t: Tensor, blocks: Tensor) -> Tensor:
-    """t[:, :, blocks] (B, H, len, b, D): a view when the blocks are consecutive, else a copy."""
-    first = int(blocks[0]) if len(blocks) else 0
-    if len(blocks) and int(blocks[-1]) - first == len(blocks) - 1 and bool((blocks.diff() == 1).all()):
-        return t[:, :, first:first + len(blocks)]
-    return t.index_select(2, blocks)
 
 
 def _scores(qb: Tensor, kc: Tensor, ch: Chunk, p0: int, p1: int, patterns: Tensor) -> Tensor:
