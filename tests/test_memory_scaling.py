@@ -1,6 +1,6 @@
 """Memory is measured, not estimated: peak extra memory of forward+backward on CPU at N and 2N
-(profiler allocation replay, harness/memory.py). Efficient variants about double; full math about
-quadruples (its three N×N matrices dominate)."""
+(profiler allocation replay, harness/memory.py). Efficient variants about double, whatever their blocks
+per row; full math about quadruples (its three N×N matrices dominate)."""
 
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ def test_efficient_variants_use_a_fraction_of_full():
     assert exact < full / 8, (exact, full)
 
 
-def test_sparse_fixed_memory_follows_its_blocks_per_row():
-    """fixed sees every chunk's summary blocks: blocks per row grow with N, and memory with them."""
+def test_sparse_fixed_memory_follows_n_not_its_blocks_per_row():
+    """fixed sees every chunk's summary blocks: blocks per row grow with N, yet the engine's memory only
+    doubles (O(N·D) plus tiles, FlashAttention-style), while its computed pairs grow 3.5x."""
     attn = variants.build("sparse", pattern="fixed", block_size=32)
     ratio = fwd_bwd_peak(attn, 2 * N) / fwd_bwd_peak(attn, N)
     pairs = attn.executed_pairs(2 * N) / attn.executed_pairs(N)
-    assert pairs > 2.5 and ratio == pytest.approx(pairs, rel=0.25)
+    assert pairs > 2.5 and 1.6 <= ratio <= 2.4, (pairs, ratio)

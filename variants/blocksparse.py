@@ -1,19 +1,31 @@
 """The engine shared by every mask-defined variant: attention computed only on allowed key blocks.
 
 Given a block layout (which key blocks each query block needs, causal future blocks already dropped)
-and an optional element predicate for partial blocks, each query block gathers its K key blocks and
-computes one (b × K·b) score tile; all query blocks at once, vectorised (no Python loop per block
-pair). Memory and time are O(N · K · b) forward and, through autograd, backward: the saved tensors are
-the gathered keys/values and the tile probabilities, never an N×N matrix.
+and an optional element predicate for partly allowed blocks, the engine runs FlashAttention's
+algorithm over the allowed blocks, vectorised over query blocks (no Python loop per block pair):
 
-Rows with many more blocks than the rest (global query rows of Longformer or BigBird) would force K
-to nb for every row, so the leading ``dense_rows`` query blocks form their own group.
+- A *plan* (built once per length and causal flag) puts each query block's key blocks in slots and
+  cuts the slots into chunks of about ``TILE_KEYS`` keys. A chunk whose slots hold the same key blocks
+  for every query block (exact attention, global and summary columns) is *shared*: its keys are read
+  once and multiplied with all its query rows in one matmul. Otherwise each query block gathers its
+  own key blocks. Partly allowed block pairs get an element mask from a small table of distinct
+  (b × b) patterns (a band has a handful), so no mask is rebuilt per call.
+- The forward keeps a running max and sum per row (online softmax) and saves only the output and the
+  log-sum-exp; the backward recomputes each tile's probabilities from them (FlashAttention-2's
+  backward). A tile is at most ``TILE_ELEMENTS`` scores (query rows are split to fit), so peak memory is
+  O(N·D) plus a few tiles, forward and backward, whatever the number of key blocks per row; time
+  follows the computed blocks.
+
+Rows with many more blocks than the rest (global query rows of Longformer or BigBird) would make every
+row's slot list long, so the leading ``dense_rows`` query blocks are planned as their own group.
+``blockwise`` exact is this engine on the all-ones layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -22,14 +34,24 @@ from .base import Attention, dense_attention
 from .masks import Predicate, causal_blocks, dense_mask, layout_predicate
 
 FUSED_BACKENDS = ("flex", "xformers")  # GPU kernels that tile internally: no gathered blocks in memory
-COUNT_CHUNK = 1 << 20  # elements of the largest temporary (int64 index tensors: 8 MiB each) when counting pairs
+TILE_KEYS = 128  # keys per chunk (rounded to whole blocks): small tiles stay in cache between passes
+TILE_ELEMENTS = 1 << 19  # most scores in one tile (B·H·rows·keys); query rows are split to fit
+PATTERN_BATCH = 256  # block pairs whose element masks are evaluated at once when planning (≤ 1M elements for b=64)
+ALLOWED, EMPTY = 0, 1  # pattern ids of a wholly allowed and a wholly masked block pair
 
 
 @dataclass(frozen=True)
-class Group:
-    rows: Tensor  # (R,) query block indices, a contiguous range
-    kv_blocks: Tensor  # (R, K) key block indices per query block, allowed ones first, ascending
-    kv_valid: Tensor  # (R, K) whether each gathered block is allowed (rows with fewer pad with False)
+class Chunk:
+    rows: tuple[int, int]  # query blocks [r0, r1) that have an allowed pair among this chunk's slots
+    keys: Tensor  # (c,) key blocks shared by every row, or (r1 - r0, c) per query block
+    masked: tuple[int, int] | None  # query blocks [a, b) ⊆ rows with a partly allowed pair; None: none
+    pattern: Tensor | None  # (b - a, c) ids into BlockPlan.patterns for the masked rows
+    first: bool  # no earlier chunk touched these rows: the online softmax starts here
+    start: int | None  # shared keys that are consecutive blocks start here (read as a view, not gathered)
+
+    @property
+    def shared(self) -> bool:
+        return self.keys.dim() == 1
 
 
 @dataclass(frozen=True)
@@ -37,83 +59,261 @@ class BlockPlan:
     seq_len: int
     block_size: int
     causal: bool
-    groups: tuple[Group, ...]
+    chunks: tuple[Chunk, ...]
+    patterns: Tensor  # (P, b, b) bool, True where a score is masked; [ALLOWED] none, [EMPTY] all
+    allowed_pairs: int  # pairs (i, j) the engine lets through, per (batch, head)
+    computed_blocks: int  # block pairs the engine multiplies (allowed or not), per (batch, head)
+    layout_blocks: int  # block pairs of the layout (holding an allowed pair)
+    _on: dict = field(default_factory=dict, compare=False, repr=False)  # device -> (chunks, patterns)
 
     @staticmethod
-    def build(layout: Tensor, seq_len: int, block_size: int, causal: bool, dense_rows: int = 0) -> "BlockPlan":
-        """``layout``: (nb, nb) bool, causal already applied."""
-        nb = layout.shape[0]
-        groups = []
+    def build(layout: Tensor, seq_len: int, block_size: int, causal: bool, dense_rows: int = 0,
+              allowed: Predicate | None = None) -> "BlockPlan":
+        """``layout``: (nb, nb) bool, causal already applied; ``allowed``: the element predicate, or None
+        when every pair of an allowed block is allowed (then only edge and diagonal blocks get a mask)."""
+        nb, b = layout.shape[0], block_size
+        c = max(1, TILE_KEYS // b)
+        table = Patterns(seq_len, b, causal, allowed)
+        chunks, allowed_pairs, computed = [], 0, 0
         for lo, hi in ((0, min(dense_rows, nb)), (min(dense_rows, nb), nb)):
             if hi <= lo:
                 continue
-            lay = layout[lo:hi]  # (R, nb)
-            K = int(lay.sum(dim=1).max())
-            order = torch.argsort(lay.to(torch.int8), dim=1, descending=True, stable=True)[:, :K]
-            groups.append(Group(torch.arange(lo, hi), order, lay.gather(1, order)))
-        return BlockPlan(seq_len, block_size, causal, tuple(groups))
+            kv = _slots(layout[lo:hi])  # (R, K), -1 where a row has fewer blocks
+            ids = table.ids(torch.arange(lo, hi)[:, None].expand_as(kv), kv)  # (R, K)
+            allowed_pairs += table.count(ids)
+            for k0 in range(0, kv.shape[1], c):
+                kc, ic = kv[:, k0:k0 + c], ids[:, k0:k0 + c]
+                used = (kc >= 0).any(dim=1).nonzero().flatten()
+                r0, r1 = int(used[0]), int(used[-1]) + 1
+                kc, ic = kc[r0:r1], ic[r0:r1]
+                column = kc.clamp(min=0).amax(dim=0)  # (c,) each slot's block where it is constant
+                keys = column if bool(((kc == column) | (kc < 0)).all()) else kc.clamp(min=0)
+                partial = (ic != ALLOWED).any(dim=1).nonzero().flatten()
+                masked = None if len(partial) == 0 else (int(partial[0]), int(partial[-1]) + 1)
+                pattern = None if masked is None else ic[masked[0]:masked[1]].contiguous()
+                start = int(keys[0]) if keys.dim() == 1 and bool((keys.diff() == 1).all()) else None
+                chunks.append(Chunk((lo + r0, lo + r1), keys, masked, pattern, k0 == 0, start))
+                computed += (r1 - r0) * kc.shape[1]
+        return BlockPlan(seq_len, b, causal, tuple(chunks), table.tensor(), allowed_pairs, computed,
+                         int(layout.sum()))
 
-    def element_mask(self, group: Group, allowed: Predicate | None, device: torch.device) -> Tensor:
-        """(R, b, K·b) bool: which gathered scores are used. Padded query rows (i ≥ N) see every real key,
-        so their softmax stays finite (their outputs are dropped; NaN there would poison dk, dv)."""
-        b, N = self.block_size, self.seq_len
-        ar = torch.arange(b, device=device)
-        rows, kv, valid = (t.to(device) for t in (group.rows, group.kv_blocks, group.kv_valid))
-        i = (rows[:, None] * b + ar)[:, :, None]  # (R, b, 1)
-        j = (kv[:, :, None] * b + ar).flatten(1)[:, None, :]  # (R, 1, K·b)
-        m = valid.repeat_interleave(b, dim=1)[:, None, :] & (j < N)  # (R, 1, K·b)
-        if self.causal:
-            m = m & (j <= i)
-        if allowed is not None:
-            m = m & allowed(i, j)
-        return torch.where(i < N, m, valid.repeat_interleave(b, dim=1)[:, None, :] & (j < N))
-
-    def pair_counts(self, allowed: Predicate | None) -> tuple[int, int]:
-        """(allowed pairs, executed pairs) per (batch, head). Counted a few query blocks at a time, so
-        no temporary exceeds COUNT_CHUNK elements whatever N is (it runs before the memory budget check:
-        sparse fixed at N=65536 would otherwise build a 1e9-element mask)."""
-        useful = executed = 0
-        b, N = self.block_size, self.seq_len
-        for g in self.groups:
-            executed += g.kv_blocks.numel() * b * b
-            if allowed is None:  # whole blocks: sizes times sizes, a triangle on the causal diagonal
-                size = (N - torch.arange(-(-N // b)) * b).clamp(max=b)  # (nb,) the last block is shorter
-                r, c = size[g.rows][:, None], size[g.kv_blocks]  # (R, 1), (R, K)
-                diagonal = self.causal & (g.kv_blocks == g.rows[:, None])
-                useful += int(torch.where(diagonal, r * (r + 1) // 2, r * c)[g.kv_valid].sum())
-                continue
-            step = max(1, COUNT_CHUNK // (b * b * g.kv_blocks.shape[1]))
-            for lo in range(0, len(g.rows), step):
-                part = Group(g.rows[lo:lo + step], g.kv_blocks[lo:lo + step], g.kv_valid[lo:lo + step])
-                m = self.element_mask(part, allowed, torch.device("cpu"))  # (r, b, K·b)
-                i = (part.rows[:, None] * b + torch.arange(b))[:, :, None]
-                useful += int((m & (i < N)).sum())
-        return useful, executed
-
-    def num_computed_blocks(self) -> int:
-        return sum(g.kv_blocks.numel() for g in self.groups)
+    def on(self, device: torch.device) -> tuple[tuple[Chunk, ...], Tensor]:
+        """The plan's tensors on ``device`` (copied once per device)."""
+        if device not in self._on:
+            move = lambda t: None if t is None else t.to(device)  # noqa: E731
+            self._on[device] = (tuple(Chunk(ch.rows, move(ch.keys), ch.masked, move(ch.pattern), ch.first, ch.start)
+                                      for ch in self.chunks), self.patterns.to(device))
+        return self._on[device]
 
 
-def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, allowed: Predicate | None,
-                           scale: float) -> Tensor:
-    B, H, N, D = q.shape
-    b = plan.block_size
-    pad = -N % b
-    # (B, H, nb, b, D): pad the ragged last block; padded keys are masked, padded queries dropped.
-    qb, kb, vb = (F.pad(t, (0, 0, 0, pad)).unflatten(2, (-1, b)) for t in (q, k, v))
-    outs = []
-    for g in plan.groups:
-        kv = g.kv_blocks.to(q.device)
-        kg = kb[:, :, kv].flatten(3, 4)  # (B, H, R, K·b, D)
-        vg = vb[:, :, kv].flatten(3, 4)  # (B, H, R, K·b, D)
-        s = (qb[:, :, g.rows[0]:g.rows[-1] + 1] @ kg.transpose(-2, -1)) * scale  # (B, H, R, b, K·b)
-        s = s.masked_fill(~plan.element_mask(g, allowed, q.device), float("-inf"))
-        outs.append(s.softmax(dim=-1) @ vg)  # (B, H, R, b, D)
-    return torch.cat(outs, dim=2).flatten(2, 3)[:, :, :N]  # (B, H, N, D)
+def _slots(layout: Tensor) -> Tensor:
+    """(R, K) key block per slot of each query block, -1 where a row has fewer. Blocks allowed for at
+    least half the rows come first, each in the same slot for every row, so their chunks are shared; each
+    row's other blocks follow ascending (under causal, block J is then the same slot for every row ≥ J)."""
+    R = layout.shape[0]
+    common = layout.sum(dim=0) * 2 >= R  # (nb,)
+    kv_common = torch.where(layout[:, common], common.nonzero().flatten()[None, :], -1)  # (R, n_common)
+    own = layout & ~common
+    order = torch.argsort(own.to(torch.int8), dim=1, descending=True, stable=True)[:, :int(own.sum(dim=1).max())]
+    kv_own = torch.where(own.gather(1, order), order, -1)  # (R, K_own) allowed ones first, ascending
+    return torch.cat([kv_common, kv_own], dim=1)
+
+
+class Patterns:
+    """Distinct element masks of block pairs, so a call gathers (b × b) patterns instead of evaluating
+    the predicate on every score. A pair's pattern: allowed(i, j), j ≤ i under causal, i, j < N."""
+
+    def __init__(self, seq_len: int, block_size: int, causal: bool, allowed: Predicate | None) -> None:
+        self.N, self.b, self.causal, self.allowed = seq_len, block_size, causal, allowed
+        b = block_size
+        self.masks = [torch.zeros(b, b, dtype=torch.bool), torch.ones(b, b, dtype=torch.bool)]
+        self.index = {np.packbits(m.numpy()).tobytes(): i for i, m in enumerate(self.masks)}
+
+    def ids(self, I: Tensor, J: Tensor) -> Tensor:
+        """(R, K) pattern id of each block pair; J = -1 (no block) is EMPTY."""
+        N, b = self.N, self.b
+        ids = torch.where(J >= 0, ALLOWED, EMPTY)
+        special = J >= 0
+        if self.allowed is None:  # whole blocks: only the causal diagonal and the ragged last block differ
+            last = (N - 1) // b
+            edge = (I == last) | (J == last) if N % b else torch.zeros_like(special)
+            special &= edge | ((J == I) if self.causal else torch.zeros_like(special))
+        where = special.nonzero()  # (M, 2)
+        ar = torch.arange(b)
+        for lo in range(0, len(where), PATTERN_BATCH):
+            rc = where[lo:lo + PATTERN_BATCH]
+            i = (I[rc[:, 0], rc[:, 1]][:, None] * b + ar)[:, :, None]  # (m, b, 1)
+            j = (J[rc[:, 0], rc[:, 1]][:, None] * b + ar)[:, None, :]  # (m, 1, b)
+            ok = (i < N) & (j < N)
+            if self.causal:
+                ok = ok & (j <= i)
+            if self.allowed is not None:
+                ok = ok & self.allowed(i, j)
+            packed = np.packbits((~ok).reshape(len(rc), -1).numpy(), axis=1)
+            found = [self.index.setdefault(p.tobytes(), len(self.index)) for p in packed]
+            for n, m in enumerate(found):
+                if m == len(self.masks):
+                    self.masks.append(~ok[n])
+            ids[rc[:, 0], rc[:, 1]] = torch.tensor(found, dtype=ids.dtype)
+        return ids
+
+    def count(self, ids: Tensor) -> int:
+        """Allowed pairs in the block pairs ``ids``."""
+        per_pattern = torch.tensor([int((~m).sum()) for m in self.masks])
+        return int(per_pattern[ids].sum())
+
+    def tensor(self) -> Tensor:
+        return torch.stack(self.masks)
+
+
+class BlockSparseAttention(torch.autograd.Function):
+    """softmax over the plan's allowed pairs, FlashAttention-style: O(N·D) saved, tiles recomputed."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Tensor:
+        B, H, N, D = q.shape
+        acc = torch.promote_types(q.dtype, torch.float32)  # half inputs accumulate in float32
+        qb, kb, vb = _blocks(q, plan.block_size, acc, scale), _blocks(k, plan.block_size, acc), _blocks(v, plan.block_size, acc)
+        chunks, patterns = plan.on(q.device)
+        o = torch.zeros_like(qb)  # (B, H, nb, b, D) unnormalised output
+        m = torch.full(qb.shape[:-1] + (1,), torch.finfo(acc).min, dtype=acc, device=q.device)  # running max
+        l = torch.zeros_like(m)  # running sum of exp(s - m)
+        for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb):
+            s = _scores(qb, kc, ch, p0, p1, patterns)  # (B, H, r, b, C)
+            m_tile = s.amax(dim=-1, keepdim=True)
+            if ch.first:
+                m_new = m_tile
+            else:
+                m_old = m[:, :, p0:p1]
+                m_new = torch.maximum(m_old, m_tile)
+                alpha = (m_old - m_new).exp_()  # rescales what was summed under the old max
+            p = s.sub_(m_new).exp_()
+            pv = _mul(p, vc)  # (B, H, r, b, D)
+            if ch.first:
+                l[:, :, p0:p1] = p.sum(dim=-1, keepdim=True)
+                o[:, :, p0:p1] = pv
+            else:
+                l[:, :, p0:p1] = l[:, :, p0:p1] * alpha + p.sum(dim=-1, keepdim=True)
+                o[:, :, p0:p1] = o[:, :, p0:p1] * alpha + pv
+            m[:, :, p0:p1] = m_new
+        o /= l
+        lse = m + l.log()  # (B, H, nb, b, 1)
+        out = o.flatten(2, 3)[:, :, :N].to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out if out.is_contiguous() else out.contiguous()
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        N, b, acc = q.shape[-2], plan.block_size, lse.dtype
+        qb, kb, vb = _blocks(q, b, acc, scale), _blocks(k, b, acc), _blocks(v, b, acc)
+        dob = _blocks(dout, b, acc)
+        delta = (dob * _blocks(out, b, acc)).sum(dim=-1, keepdim=True)  # (B, H, nb, b, 1) rowsum(dO ∘ O)
+        chunks, patterns = plan.on(q.device)
+        dq, dk, dv = torch.zeros_like(qb), torch.zeros_like(kb), torch.zeros_like(vb)
+        for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb):
+            p = _scores(qb, kc, ch, p0, p1, patterns).sub_(lse[:, :, p0:p1]).exp_()  # recomputed
+            do = dob[:, :, p0:p1]  # (B, H, r, b, D)
+            _add_keys(dv, ch, p0, _mul_t(p, do, ch.shared))  # dV = Pᵀ dO
+            ds = _mul_kt(do, vc).sub_(delta[:, :, p0:p1]).mul_(p)  # dS = P ∘ (dO Vᵀ − Δ)
+            del p
+            dq[:, :, p0:p1] += _mul(ds, kc)
+            _add_keys(dk, ch, p0, _mul_t(ds, qb[:, :, p0:p1], ch.shared))  # dK = dSᵀ (Q·scale)
+        dq *= scale
+        grads = (t.flatten(2, 3)[:, :, :N].to(x.dtype) for t, x in ((dq, q), (dk, k), (dv, v)))
+        return (*(g if g.is_contiguous() else g.contiguous() for g in grads), None, None)
+
+
+def _blocks(t: Tensor, b: int, dtype: torch.dtype, scale: float | None = None) -> Tensor:
+    """(B, H, N, D) -> (B, H, nb, b, D) in ``dtype``; the ragged last block padded with zeros (its pairs
+    are masked). A view when nothing changes; queries are multiplied by ``scale`` once here."""
+    pad = -t.shape[-2] % b
+    if scale is not None:
+        t = t.to(dtype) * scale
+    elif t.dtype != dtype:
+        t = t.to(dtype)
+    if pad:
+        t = F.pad(t, (0, 0, 0, pad))
+    return t.unflatten(2, (-1, b))
+
+
+def _tiles(chunks, qb: Tensor, kb: Tensor, vb: Tensor):
+    """Each chunk's keys and values, split over query blocks so that a tile holds ≤ TILE_ELEMENTS scores.
+    Yields (chunk, p0, p1, keys, values): shared keys (B, H, C, D), gathered ones (B, H, p1 - p0, C, D)."""
+    B, H, nb, b, D = qb.shape
+    for ch in chunks:
+        r0, r1 = ch.rows
+        C = ch.keys.shape[-1] * b
+        step = max(1, TILE_ELEMENTS // (B * H * b * C))
+        if ch.shared:
+            c = len(ch.keys)  # consecutive blocks are a view (decided when planning: no device sync here)
+            kc, vc = ((t[:, :, ch.start:ch.start + c] if ch.start is not None else t.index_select(2, ch.keys))
+                      .flatten(2, 3) for t in (kb, vb))  # (B, H, C, D)
+        for p0 in range(r0, r1, step):
+            p1 = min(p0 + step, r1)
+            if not ch.shared:
+                idx = ch.keys[p0 - r0:p1 - r0]  # (r, c)
+                kc, vc = (t.index_select(2, idx.flatten()).unflatten(2, idx.shape).flatten(3, 4) for t in (kb, vb))
+            yield ch, p0, p1, kc, vc
+
+
+def _scores(qb: Tensor, kc: Tensor, ch: Chunk, p0: int, p1: int, patterns: Tensor) -> Tensor:
+    """(B, H, r, b, C) scores of query blocks [p0, p1) against the chunk's keys, masked pairs at the
+    lowest finite value (a row with no allowed key in this tile then adds nothing: exp(min − m) = 0)."""
+    s = _mul_kt(qb[:, :, p0:p1], kc)
+    if ch.masked is not None:
+        a, z = max(ch.masked[0] + ch.rows[0], p0), min(ch.masked[1] + ch.rows[0], p1)
+        if a < z:
+            ids = ch.pattern[a - ch.rows[0] - ch.masked[0]:z - ch.rows[0] - ch.masked[0]]  # (r', c)
+            b = qb.shape[3]
+            mask = patterns[ids].transpose(1, 2)  # (r', b, c, b): query row, key block, key column
+            s[:, :, a - p0:z - p0].view(*s.shape[:2], z - a, b, -1, b).masked_fill_(mask, torch.finfo(s.dtype).min)
+    return s
+
+
+def _mul_kt(x: Tensor, kc: Tensor) -> Tensor:
+    """x (B, H, r, b, D) times keys transposed: (B, H, r, b, C)."""
+    if kc.dim() == 4:  # shared: one matmul for every row of the tile
+        return (x.flatten(2, 3) @ kc.transpose(-2, -1)).unflatten(2, x.shape[2:4])
+    return x @ kc.transpose(-2, -1)
+
+
+def _mul(p: Tensor, vc: Tensor) -> Tensor:
+    """p (B, H, r, b, C) times values: (B, H, r, b, D)."""
+    if vc.dim() == 4:
+        return (p.flatten(2, 3) @ vc).unflatten(2, p.shape[2:4])
+    return p @ vc
+
+
+def _mul_t(p: Tensor, x: Tensor, shared: bool) -> Tensor:
+    """pᵀ x per tile: (B, H, C, D) summed over the rows for shared keys, else (B, H, r, C, D)."""
+    if shared:
+        return p.flatten(2, 3).transpose(-2, -1) @ x.flatten(2, 3)
+    return p.transpose(-2, -1) @ x
+
+
+def _add_keys(grad: Tensor, ch: Chunk, p0: int, part: Tensor) -> None:
+    """Adds a tile's key (or value) gradient into ``grad`` (B, H, nb, b, D) at the chunk's key blocks."""
+    b = grad.shape[3]
+    if ch.shared:
+        blocks = ch.keys
+        part = part.unflatten(2, (-1, b))  # (B, H, c, b, D)
+    else:
+        r = part.shape[2]
+        blocks = ch.keys[p0 - ch.rows[0]:p0 - ch.rows[0] + r].flatten()
+        part = part.flatten(2, 3).unflatten(2, (-1, b))  # (B, H, r·c, b, D)
+    grad.index_add_(2, blocks, part)
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Tensor:
+    """(B, H, N, D) attention over the plan's allowed pairs."""
+    return BlockSparseAttention.apply(q, k, v, plan, scale)
 
 
 class MaskedAttention(Attention):
-    """Base of the mask-defined variants (blockwise local, sliding_window, sparse).
+    """Base of the mask-defined variants (blockwise, sliding_window, sparse).
 
     A subclass says which key blocks each query block needs (``layout``) and, where blocks are only
     partly allowed, the element predicate; this class turns them into the dense mask, the block plan,
@@ -126,7 +326,6 @@ class MaskedAttention(Attention):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._plans: dict[tuple[int, bool], BlockPlan] = {}
-        self._counts: dict[tuple[int, bool], tuple[int, int]] = {}
 
     # What a subclass defines ------------------------------------------------------------------------
     def engine_block_size(self, seq_len: int) -> int:
@@ -141,7 +340,7 @@ class MaskedAttention(Attention):
         return None
 
     def dense_rows(self, seq_len: int) -> int:
-        """Leading query blocks that see (almost) every key: computed as their own group."""
+        """Leading query blocks that see (almost) every key: planned as their own group."""
         return 0
 
     # What follows from it ---------------------------------------------------------------------------
@@ -151,7 +350,7 @@ class MaskedAttention(Attention):
             lay = self.layout(seq_len, causal)
             lay = causal_blocks(lay) if causal else lay
             self._plans[key] = BlockPlan.build(lay, seq_len, self.engine_block_size(seq_len), causal,
-                                               self.dense_rows(seq_len))
+                                               self.dense_rows(seq_len), self.predicate(seq_len, causal))
         return self._plans[key]
 
     def element_predicate(self, seq_len: int, causal: bool) -> Predicate:
@@ -163,15 +362,8 @@ class MaskedAttention(Attention):
     def mask(self, seq_len: int, causal: bool = False) -> Tensor:
         return dense_mask(self.element_predicate(seq_len, causal), seq_len, causal)
 
-    def pair_counts(self, seq_len: int, causal: bool) -> tuple[int, int]:
-        """(allowed, executed by the block-sparse engine) pairs per (batch, head)."""
-        key = (seq_len, causal)
-        if key not in self._counts:
-            self._counts[key] = self.plan(seq_len, causal).pair_counts(self.predicate(seq_len, causal))
-        return self._counts[key]
-
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
-        return self.pair_counts(seq_len, causal)[0]
+        return self.plan(seq_len, causal).allowed_pairs
 
     def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
         if self.backend == "dense":
@@ -180,24 +372,24 @@ class MaskedAttention(Attention):
             # Counted on the allowed pairs, as for fused SDPA kernels (FlashAttention's convention);
             # the harness replaces flex's figure with its BlockMask's computed tiles after measuring.
             return self.allowed_pairs(seq_len, causal)
-        return self.pair_counts(seq_len, causal)[1]
+        return self.plan(seq_len, causal).computed_blocks * self.engine_block_size(seq_len) ** 2
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
         if self.backend in FUSED_BACKENDS:
             return element_size * B * H * 8 * N * D  # fused kernels: O(N·D), as full's fused backends
         if self.backend == "dense":
             return super().memory_bytes(B, H, N, D, element_size, causal)
-        # Score tiles (scores, probabilities, their gradient) and the gathered keys and values with
-        # their gradients: executed pairs / b keys of D elements per query block row.
-        pairs = self.executed_pairs(N, causal)
-        gathered = pairs * D // self.engine_block_size(N)
-        return element_size * B * H * (3 * pairs + 4 * gathered + 6 * N * D)
+        # O(N·D): output, log-sum-exp and the accumulators (q·scale, o; dq, dk, dv, padded dO), plus the
+        # backward's live tiles (probabilities and their gradient, gathered keys, values and their
+        # gradients), each at most TILE_ELEMENTS scores and never more than the computed pairs.
+        tile = min(TILE_ELEMENTS, B * H * self.executed_pairs(N, causal))
+        gathered = tile * D // self.engine_block_size(N)
+        return 4 * (2 * tile + 3 * gathered) + element_size * B * H * 8 * N * D
 
     def block_density(self, seq_len: int, causal: bool = False) -> float:
-        """Computed key blocks over all nb² blocks (the block-sparse layout's density)."""
-        plan = self.plan(seq_len, causal)
-        nb = -(-seq_len // plan.block_size)
-        return sum(int(g.kv_valid.sum()) for g in plan.groups) / nb**2
+        """Allowed key blocks over all nb² blocks (the block-sparse layout's density)."""
+        nb = -(-seq_len // self.engine_block_size(seq_len))
+        return self.plan(seq_len, causal).layout_blocks / nb**2
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
         N, scale = q.shape[-2], self.scale(q.shape[-1])
@@ -207,4 +399,4 @@ class MaskedAttention(Attention):
             from .flex import flex_forward
 
             return flex_forward(self, q, k, v, causal)
-        return block_sparse_attention(q, k, v, self.plan(N, causal), self.predicate(N, causal), scale)
+        return block_sparse_attention(q, k, v, self.plan(N, causal), scale)

@@ -1,0 +1,61 @@
+"""scripts/bench_peers.py end to end at a tiny N: outputs checked equal, both sides measured, ratios written.
+The SDPA pairs need nothing beyond the project and always run; the others need the `peers` extra."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "bench_peers.py"
+
+
+def run(tmp_path, pairs):
+    cmd = [sys.executable, str(SCRIPT), "--seq-lens", "256", "--min-run-time", "0.01", "--retries", "0",
+           "--out", str(tmp_path), "--only", *pairs]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((tmp_path / "results.json").read_text()), done
+
+
+def check(rows, pairs):
+    assert [r["pair"] for r in rows] == pairs
+    for r in rows:
+        assert r["max_rel_err"] <= 1e-4
+        for side in (r["ours_side"], r["peer_side"]):
+            assert side["fwd_bwd_ms"] > 0 and side["peak_mem_bytes"] > 0
+        assert r["time_ratio"] == pytest.approx(r["ours_side"]["fwd_bwd_ms"] / r["peer_side"]["fwd_bwd_ms"])
+
+
+def test_sdpa_pairs(tmp_path):
+    pairs = ["blockwise_exact", "sparse_fixed", "sparse_bigbird"]
+    res, _ = run(tmp_path, pairs)
+    check(res["rows"], pairs)
+    assert "sparse_fixed / SDPA + mask (time)" in (tmp_path / "table.md").read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("local_attention") is None or importlib.util.find_spec("linformer") is None,
+                    reason='peers not installed: pip install -e ".[peers]"')
+def test_package_peers(tmp_path):
+    pairs = ["sliding_window", "linear"]
+    res, _ = run(tmp_path, pairs)
+    check(res["rows"], pairs)
+
+
+def test_missing_peer_is_one_line(tmp_path):
+    """Without a peer the script says how to install it and measures the rest."""
+    code = ("import importlib.util, runpy, sys; real = importlib.util.find_spec; "
+            "importlib.util.find_spec = lambda n, *a: None if n == 'local_attention' else real(n, *a); "
+            f"sys.argv = {[str(SCRIPT), '--seq-lens', '256', '--min-run-time', '0.01', '--retries', '0', '--out', str(tmp_path), '--only', 'sliding_window', 'blockwise_exact']!r}; "
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**30)}  # no re-exec
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'skipping sliding_window: peers not installed (pip install -e ".[peers]")' in done.stderr
+    assert [r["pair"] for r in json.loads((tmp_path / "results.json").read_text())["rows"]] == ["blockwise_exact"]
