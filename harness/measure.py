@@ -104,7 +104,8 @@ def noise_reasons(record: dict, opts: MeasureOptions) -> list[str]:
     if fwd is not None and fwd_bwd is not None and fwd > fwd_bwd:
         reasons.append(f"forward {fwd:.4g} ms slower than forward+backward {fwd_bwd:.4g} ms")
     others = record.get("other_cpu_cores")
-    if others is not None and others > opts.max_other_cores:
+    timed = any(record.get(f"{name}_ms") is not None for name in opts.passes)  # memory alone: load-proof
+    if timed and others is not None and others > opts.max_other_cores:
         reasons.append(f"other processes kept {others:.2f} cores busy > measure.max_other_cores={opts.max_other_cores:g}")
     return reasons
 

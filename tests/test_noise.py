@@ -199,3 +199,15 @@ def test_a_pass_not_measured_is_not_full_failing_and_seeds_are_separate_series()
     groups = group_series(seeds)
     assert len(groups) == 2
     assert sorted(series_labels(groups).values()) == ["full/sdpa seed=0", "full/sdpa seed=1"]
+
+
+def test_others_load_makes_only_timings_noisy():
+    """A point that timed nothing (quality or memory only) is not noisy for others' load: the profiler's
+    memory replay and the task do not depend on it."""
+    from harness.measure import noise_reasons
+
+    busy = {"other_cpu_cores": 1.5}
+    assert noise_reasons(busy, MeasureOptions(passes=())) == []
+    timed = {**busy, "fwd_bwd_ms": 10.0, "fwd_bwd_iqr_ms": 0.1, "fwd_bwd_samples": 9}
+    assert noise_reasons(timed, MeasureOptions(passes=("fwd_bwd",))) == [
+        "other processes kept 1.50 cores busy > measure.max_other_cores=0.25"]
