@@ -55,17 +55,20 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def gpu_clocks() -> str | None:
+def nvidia_smi(query: str, header: bool = False) -> str | None:
+    """``nvidia-smi --query-gpu=QUERY`` as CSV, or None where it does not answer."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv" + ("" if header else ",noheader")],
+                             capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def gpu_clocks() -> str | None:
+    return nvidia_smi("clocks.sm,clocks.mem,clocks.max.sm")
 
 
 def collect(device: torch.device) -> Environment:

@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +47,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import torch  # noqa: E402
 
 from harness.config import one_line  # noqa: E402
+from harness.env import now  # noqa: E402
 from harness.results import InputError, fit_exponents, latest, load_rows, read_jsonl, write_json  # noqa: E402
 
 MiB = 2**20
@@ -549,19 +549,6 @@ def summarize(ctx: Context) -> dict[str, Any]:
 
 # ----- command line --------------------------------------------------------------------------------
 
-def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def nvidia_smi() -> str | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,"
-                        "clocks.max.mem,power.limit,temperature.gpu,memory.total", "--format=csv"],
-                       capture_output=True, text=True, timeout=15)
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
 def record_invocation(ctx: Context, steps: list[str]) -> None:
     """env.json: one entry per invocation (machine, versions, clocks, date, steps)."""
     from harness import env as envmod
@@ -569,7 +556,10 @@ def record_invocation(ctx: Context, steps: list[str]) -> None:
     path = ctx.out / "env.json"
     entries = json.loads(path.read_text()) if path.exists() else []
     entries.append({"date": now(), "steps": ",".join(steps), "python": platform.python_version(),
-                    **envmod.collect(ctx.device).as_dict(), "nvidia_smi": nvidia_smi()})
+                    **envmod.collect(ctx.device).as_dict(),
+                    "nvidia_smi": envmod.nvidia_smi("name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,"
+                                                    "clocks.max.mem,power.limit,temperature.gpu,memory.total",
+                                                    header=True)})
     write_json(path, entries)
 
 
