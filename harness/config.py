@@ -37,13 +37,13 @@ class MeasureOptions:
 
 @dataclass(frozen=True)
 class FidelityOptions:
-    enabled: bool = True  # errors against exact attention at every ok point (harness/fidelity.py)
+    enabled: bool = True  # errors against exact attention at every ok point (harness/quality/fidelity.py)
     batch_size: int = 1  # q, k, v of (batch_size, num_heads, N, head_dim)
     max_seq_len: int | None = 4096  # longer points record none (the float64 reference is the cost)
     block_size: int = 256  # key block of the float64 online-softmax reference
 
 
-INPUT_KINDS = ("gaussian", "local", "peaked")  # harness.fidelity.INPUT_KINDS (no torch import here)
+INPUT_KINDS = ("gaussian", "local", "peaked")  # harness.quality.fidelity.INPUT_KINDS (no torch import here)
 TASKS = ("none", "mqar")
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -182,7 +182,7 @@ def _fidelity(cfg: Mapping[str, Any] | None) -> FidelityOptions:
 
 def _task(cfg: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """The task's options without its name, or None for task=none. Its values are checked by
-    harness.task.MQARConfig in run.validate (that module needs torch)."""
+    harness.quality.task.MQARConfig in run.validate (that module needs torch)."""
     cfg = dict(cfg or {"name": "none"})
     name = cfg.pop("name", None)
     if name not in TASKS:

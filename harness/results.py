@@ -103,14 +103,14 @@ class Result:
     tflops_fwd_bwd_useful: float | None
     density: float | None  # used score entries / N²
     block_density: float | None  # computed key blocks / all blocks (mask-defined variants only)
-    # Fidelity against exact attention, float64 reference on the same q, k, v (harness/fidelity.py)
+    # Fidelity against exact attention, float64 reference on the same q, k, v (harness/quality/fidelity.py)
     inputs: str | None  # gaussian | local | peaked: the distribution of q, k, v for fidelity
     out_rel_err: float | None  # ‖o − o_ref‖ / ‖o_ref‖
     out_cos: float | None  # cosine similarity of o and o_ref
     out_max_abs_err: float | None  # max |o − o_ref|
     grad_rel_err: float | None  # the largest relative L2 error among dq, dk, dv
     mass_kept: float | None  # share of exact softmax mass on allowed pairs (mask-defined variants)
-    # Task quality: a small Transformer trained with the variant on MQAR (harness/task.py)
+    # Task quality: a small Transformer trained with the variant on MQAR (harness/quality/task.py)
     task: str | None  # mqar, or None when no task ran
     task_seq_len: int | None  # the length it was trained at
     task_accuracy: float | None  # final eval accuracy on query positions

@@ -534,7 +534,7 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
 
 
 def summarize(ctx: Context) -> dict[str, Any]:
-    from harness.report import make_report
+    from harness.report.sweep import make_report
 
     reports = {}
     for part, title in (("a", "FA-1 shape, every variant and backend"), ("c", "FA-2/FA-3 shape, full")):

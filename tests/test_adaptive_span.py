@@ -15,7 +15,7 @@ from torch.func import functional_call
 
 import variants
 from harness.memory import cpu_peak_bytes
-from harness.task import MQARConfig, build_model, span_penalty, train_mqar
+from harness.quality.task import MQARConfig, build_model, span_penalty, train_mqar
 from variants import VariantError, flex
 from variants.adaptive_span import AdaptiveSpan
 

@@ -19,7 +19,7 @@ import tarfile
 import pytest
 
 import variants
-from harness.results import FIELDS, fit_exponents, latest, load_rows, read_jsonl
+from harness.results import FIELDS, fit_exponents, latest, load_rows
 
 from .conftest import ROOT
 

@@ -1,4 +1,4 @@
-"""harness/fidelity.py: exact variants score at rounding level, errors are caught, mass_kept is right."""
+"""harness/quality/fidelity.py: exact variants score at rounding level, errors are caught, mass_kept is right."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import variants
-from harness.fidelity import INPUT_KINDS, fidelity, make_inputs, mass_kept
+from harness.quality.fidelity import INPUT_KINDS, fidelity, make_inputs, mass_kept
 from variants.full import Full
 
 

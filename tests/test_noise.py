@@ -12,8 +12,8 @@ import sys
 import pytest
 from rich.console import Console
 
-from harness import report
-from harness.compare import compare, judge
+from harness.report import sweep as report
+from harness.report.compare import compare, judge
 from harness.config import MeasureOptions
 from harness.console import Display
 from harness.measure import noise_reasons
@@ -145,7 +145,7 @@ def test_two_runs_of_the_same_code_compare_without_regression(tmp_path):
             "fidelity.enabled=false", "logger=none", "measure.min_run_time=0.1")
     run(compose_cfg(*args), output_dir=tmp_path / "a")
     run(compose_cfg(*args), output_dir=tmp_path / "b")
-    proc = subprocess.run([sys.executable, "-m", "harness.compare", str(tmp_path / "a"), str(tmp_path / "b"),
+    proc = subprocess.run([sys.executable, "-m", "harness.report.compare", str(tmp_path / "a"), str(tmp_path / "b"),
                            "--fail-on-regression", "--metric", "fwd_ms,bwd_ms,fwd_bwd_ms"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -193,7 +193,7 @@ def test_a_pass_not_measured_is_not_full_failing_and_seeds_are_separate_series()
     full = [row("full", "sdpa", n, fwd=1.0, mem=1, fwd_ms=None) for n in (256, 512)]  # fwd not measured
     assert report.reference([full], "fwd_ms") == {}
     assert report.reference([[row("full", "sdpa", 256, "oom")]], "fwd_ms") == {256: None}
-    from harness.collect import group_series, series_labels
+    from harness.report.collect import group_series, series_labels
 
     seeds = [row("full", "sdpa", 256, fwd=1.0, mem=1, seed=s) for s in (0, 1)]
     groups = group_series(seeds)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import variants
-from harness.fidelity import fidelity
+from harness.quality.fidelity import fidelity
 from variants import VariantError
 from variants.reformer import Reformer
 
@@ -295,7 +295,7 @@ def test_trains_inside_the_model_and_leaves_wk_unused():
     """The task's model projects k, but reformer never reads it: W_k gets no gradient, every other
     parameter does. With N ≤ 2c every key is in a query's chunk or the one before, so the model is
     strictly causal; beyond that the chunk boundaries depend on later positions (README)."""
-    from harness.model import TinyTransformer
+    from harness.quality.model import TinyTransformer
 
     N = 28
     torch.manual_seed(0)

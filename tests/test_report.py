@@ -1,5 +1,5 @@
-"""The reporting tools: harness.report (sweep -> CSV, PNGs, report.html), harness.compare (A vs B),
-harness.collect (loading). Synthetic result rows with known shapes stand in for a real sweep."""
+"""The reporting tools: harness.report (sweep -> CSV, PNGs, report.html), harness.report.compare (A vs B),
+harness.report.collect (loading). Synthetic result rows with known shapes stand in for a real sweep."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import collect, report
-from harness.collect import load_rows, point_key, series_key, series_labels
+from harness.report import collect, sweep as report
+from harness.report.collect import load_rows, point_key, series_key, series_labels
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = [256, 512, 1024, 2048, 4096, 8192]
@@ -208,22 +208,22 @@ def ab(tmp_path):
 
 def test_compare_flags_injected_regression(ab):
     a, regressed, _ = ab
-    res = cli("harness.compare", a, regressed, "--fail-on-regression")
+    res = cli("harness.report.compare", a, regressed, "--fail-on-regression")
     assert res.returncode == 1, res.stdout + res.stderr
     flagged = [line for line in res.stdout.splitlines() if "REGRESSION" in line]
     assert len(flagged) == 1 and "full/sdpa" in flagged[0] and " 512 " in flagged[0]
     assert "cpu" in res.stdout and "cuda" in res.stdout  # the devices are printed
     assert "only in B" in res.stdout and "linear/math N=256" in res.stdout
-    assert cli("harness.compare", a, regressed).returncode == 0  # reported, but no failure asked for
+    assert cli("harness.report.compare", a, regressed).returncode == 0  # reported, but no failure asked for
 
 
 def test_compare_passes_within_threshold_change(ab):
     a, regressed, within = ab
-    res = cli("harness.compare", a, within, "--fail-on-regression")
+    res = cli("harness.report.compare", a, within, "--fail-on-regression")
     assert res.returncode == 0 and "REGRESSION" not in res.stdout, res.stdout
     assert "better" in res.stdout
     # A looser threshold lets the 30% slowdown through; single files work as inputs too.
-    res = cli("harness.compare", a / "0" / "results.jsonl", regressed / "0" / "results.jsonl",
+    res = cli("harness.report.compare", a / "0" / "results.jsonl", regressed / "0" / "results.jsonl",
               "--threshold", "0.5", "--fail-on-regression")
     assert res.returncode == 0, res.stdout
 
@@ -231,7 +231,7 @@ def test_compare_passes_within_threshold_change(ab):
 def test_compare_status_change_is_a_regression(tmp_path):
     a = write_sweep(tmp_path / "a", [[row("full", "math", 4096, fwd=16.0, mem=10)]])
     b = write_sweep(tmp_path / "b", [[row("full", "math", 4096, "oom")]])
-    res = cli("harness.compare", a, b, "--fail-on-regression")
+    res = cli("harness.report.compare", a, b, "--fail-on-regression")
     assert res.returncode == 1 and "ok -> oom" in res.stdout
 
 
@@ -256,6 +256,6 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     _one_line_error(cli("harness.report", tmp_path / "bad"), "no result rows", "damaged line(s) 1 (no backend",
                     "2 (not JSON")
     good = write_sweep(tmp_path / "good", [[row("full", "sdpa", 256, fwd=1.0, mem=1)]])
-    _one_line_error(cli("harness.compare", tmp_path / "missing", good), "missing")
-    _one_line_error(cli("harness.compare", good, tmp_path / "empty"), "no results")
-    _one_line_error(cli("harness.compare", good, good, "--metric", "nonsense_ms"), "nonsense_ms")
+    _one_line_error(cli("harness.report.compare", tmp_path / "missing", good), "missing")
+    _one_line_error(cli("harness.report.compare", good, tmp_path / "empty"), "no results")
+    _one_line_error(cli("harness.report.compare", good, good, "--metric", "nonsense_ms"), "nonsense_ms")

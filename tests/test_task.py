@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import variants
-from harness.model import TinyTransformer
-from harness.mqar import IGNORE_INDEX, PAD, key_range, mqar_batch, validate, value_range
-from harness.task import GPU_PRESET, PRESETS, MQARConfig, train_mqar
+from harness.quality.model import TinyTransformer
+from harness.quality.mqar import IGNORE_INDEX, PAD, key_range, mqar_batch, validate, value_range
+from harness.quality.task import GPU_PRESET, PRESETS, MQARConfig, train_mqar
 
 SIZES = dict(seq_len=48, vocab_size=40, num_kv_pairs=8, num_queries=6)
 

@@ -13,7 +13,7 @@ and the output renormalises the masked weights (the paper's ``attn * mask / sum`
 m_h(0) = 1 for every span, so no row is empty. Keys at distance x ≥ z_h + R have weight 0, so the
 ``band`` backend computes only distances below ⌈max_h z_h⌉ + R: O(N·span) time and memory, forward and
 backward, never an N×N tensor. Gradients reach q, k, v and every z_h (through the ramp: dm/dz = 1/R
-where 0 < m < 1). The span penalty of the paper's loss belongs to training (harness/task.py).
+where 0 < m < 1). The span penalty of the paper's loss belongs to training (harness/quality/task.py).
 
 Backends: ``band`` (query chunks against a gathered key band, vectorised over chunks), ``dense`` (the
 N×N scores plus the log-mask: the readable path), ``flex`` (CUDA: FlexAttention with the log-mask as a

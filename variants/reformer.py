@@ -196,7 +196,7 @@ class Reformer(Attention):
 
     def _lsh(self, q: Tensor, v: Tensor, causal: bool) -> Tensor:
         B, H, N, D = q.shape
-        c, r, n_c = self.options.bucket_size, self.options.n_hashes, self.num_chunks(N)
+        c, n_c = self.options.bucket_size, self.num_chunks(N)
         acc = torch.promote_types(q.dtype, torch.float32)
         with torch.no_grad():  # the layout: which positions meet, and how often
             perm, rank = sort_rounds(self.buckets(q))  # (B, H, r, N)

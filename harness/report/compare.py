@@ -1,6 +1,6 @@
 """Compare two sets of results point by point: baseline A, candidate B.
 
-    python -m harness.compare A B [--threshold 0.10] [--fail-on-regression] [--metric fwd_bwd_ms,peak_mem_bytes]
+    python -m harness.report.compare A B [--threshold 0.10] [--fail-on-regression] [--metric fwd_bwd_ms,peak_mem_bytes]
 
 A and B are run/sweep directories or results .jsonl/.csv files. Points match on their identity
 (variant, backend, options, seq_len, shape, dtype, causal, seed, inputs, task), not on the device, so a
@@ -19,8 +19,8 @@ import argparse
 import sys
 from typing import Any
 
-from harness.collect import InputError, compare_key, environment_fields, load_rows, number, series_key, series_labels
-from harness.results import TIME_METRICS
+from ..results import TIME_METRICS
+from .collect import InputError, compare_key, environment_fields, load_rows, number, series_key, series_labels
 
 HIGHER_IS_BETTER = {"tflops_fwd", "out_cos", "mass_kept", "task_accuracy"}
 
@@ -116,7 +116,7 @@ def _print_table(head: list[str], body: list[list[str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.compare", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m harness.report.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("a", help="baseline: a results directory or results .jsonl/.csv file")
     p.add_argument("b", help="candidate: a results directory or results .jsonl/.csv file")
     p.add_argument("--threshold", type=float, default=0.10, help="relative change that counts (default 0.10)")

@@ -27,9 +27,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from harness.collect import (FULL, STATUSES, InputError, Series, columns, environment_fields, group_series,
-                             load_rows, ok_value, series_labels)
-from harness.results import TIME_METRICS, atomic_write, loglog_slope, write_csv
+from ..results import TIME_METRICS, atomic_write, loglog_slope, write_csv
+from .collect import (FULL, STATUSES, InputError, Series, columns, environment_fields, group_series, load_rows,
+                      ok_value, series_labels)
 
 Rows = list[dict[str, Any]]
 MIB = 2.0 ** 20

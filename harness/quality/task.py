@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 import variants
-from harness.model import POSITIONS, TinyTransformer, query_loss
-from harness.mqar import IGNORE_INDEX, mqar_batch, validate
+from harness.quality.model import POSITIONS, TinyTransformer, query_loss
+from harness.quality.mqar import IGNORE_INDEX, mqar_batch, validate
 from variants.adaptive_span import AdaptiveSpan
 
 Log = Callable[[int, dict[str, float]], None]
@@ -41,12 +41,12 @@ class MQARConfig:
     in ~200 steps. The kernel (3) is local, so it cannot carry a key to a distant query: long-range
     recall still has to go through the attention variant."""
 
-    # task (harness/mqar.py)
+    # task (harness/quality/mqar.py)
     seq_len: int = 128  # total length: 2·num_kv_pairs pair tokens, then the query region
     vocab_size: int = 64  # PAD + 31 key tokens + 32 value tokens
     num_kv_pairs: int = 8
     num_queries: int = 8  # each asks a distinct key of its sequence
-    # model (harness/model.py)
+    # model (harness/quality/model.py)
     d_model: int = 64
     n_layers: int = 2  # two layers: recall needs a previous-token step and a lookup step
     n_heads: int = 2

@@ -1,0 +1,94 @@
+"""What a variant loses, measured at each ok point: errors against exact attention on the same inputs
+(fidelity.py, float64 reference) and the accuracy of a small Transformer trained with it on MQAR
+(task.py trains model.py on mqar.py's data); the run loop's one entry is ``quality``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+from typing import Any
+
+import torch
+
+import variants
+from variants import VariantError
+
+from ..config import ConfigError, Settings, one_line
+
+
+def task_config(settings: Settings, seq_len: int):
+    """The MQAR config for a point of length ``seq_len`` (task.seq_len null: the point's N)."""
+    from .task import MQARConfig
+
+    values = dict(settings.task)
+    if values.get("seq_len") is None:
+        values["seq_len"] = seq_len
+    try:
+        return MQARConfig.from_dict(values)
+    except ValueError as e:
+        raise ConfigError(f"task=mqar at N={seq_len}: {one_line(e).removeprefix('mqar config: ')}") from None
+
+
+
+def quality(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device, rec: dict[str, Any],
+            on_phase, task_log, task_cache: dict[int, dict[str, Any]]) -> None:
+    """Fidelity and task numbers into ``rec``. A failure here (out of memory in the float64 reference,
+    a task that diverges) leaves the timing intact: the numbers stay None and ``quality_reason`` says why."""
+    reasons = []
+    if s.fidelity.enabled:
+        if s.fidelity.max_seq_len is not None and seq_len > s.fidelity.max_seq_len:
+            reasons.append(f"fidelity: N > fidelity.max_seq_len={s.fidelity.max_seq_len}")
+        else:
+            on_phase("fidelity")
+            reasons.append(guarded("fidelity", device, lambda: rec.update(point_fidelity(attn, s, seq_len, device))))
+    if s.task is not None:
+        on_phase("task")
+        cfg = task_config(s, seq_len)
+
+        def train() -> None:
+            if cfg.seq_len not in task_cache:
+                task_cache[cfg.seq_len] = train_task(attn, s, cfg, device, task_log)
+            rec.update(task_cache[cfg.seq_len])
+
+        reasons.append(guarded("task", device, train))
+    reasons = [r for r in reasons if r]
+    rec["quality_reason"] = "; ".join(reasons) or None
+
+
+def guarded(what: str, device: torch.device, fn) -> str | None:
+    try:
+        fn()
+    except Exception as e:  # OutOfMemoryError included: recorded, the point and the sweep go on
+        message = str(e) if isinstance(e, (VariantError, ConfigError)) else f"{type(e).__name__}: {e}"
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return one_line(f"{what}: {message}")[:300]
+    return None
+
+
+def point_fidelity(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device) -> dict[str, Any]:
+    from .fidelity import fidelity, make_inputs
+
+    gen = torch.Generator().manual_seed(s.seed)
+    q, k, v = make_inputs(s.inputs, s.fidelity.batch_size, s.num_heads, seq_len, s.head_dim,
+                          dtype=s.torch_dtype, device=device, generator=gen)  # (B, H, N, D)
+    result = fidelity(attn, q, k, v, causal=s.causal, block_size=s.fidelity.block_size, grad_seed=s.seed)
+    bad = [k for k, v in result.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise FloatingPointError(f"non-finite {', '.join(bad)} (the variant's output or gradients overflow "
+                                 f"in {s.dtype})")
+    return result
+
+
+def train_task(attn: variants.Attention, s: Settings, cfg, device: torch.device, task_log) -> dict[str, Any]:
+    from .task import train_mqar
+
+    options = dataclasses.asdict(attn.options)
+    if options.get("num_heads") is not None:
+        options["num_heads"] = cfg.n_heads  # linear share=none: one E_h, F_h per head of the task's model
+    out = train_mqar(type(attn), options, cfg, log=task_log, device=device)  # the class: any _target_ trains
+    return {"task_seq_len": cfg.seq_len, "task_accuracy": out["task_accuracy"], "task_loss": out["task_loss"],
+            "task_chance_accuracy": out["chance_accuracy"], "task_train_s": out["train_seconds"]}
