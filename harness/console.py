@@ -9,7 +9,7 @@ is one plain line as it finishes, and nothing is redrawn.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 from rich import box
 from rich.console import Console, Group
@@ -58,9 +58,12 @@ def note(r: Result) -> str:
 
 
 class Display:
-    """A sink of result rows (``add``) with a progress line; the run calls ``phase`` as it measures."""
+    """A sink of result rows (``add``, ``complete``) with a progress line; the run calls ``phase`` as it
+    measures. ``kept``: points an earlier run measured into the directory, shown first."""
 
-    def __init__(self, title: str, total: int, console: Console | None = None, task: bool = False) -> None:
+    def __init__(self, title: str, total: int, console: Console | None = None, task: bool = False,
+                 kept: Sequence[Result] = ()) -> None:
+        self.kept = list(kept)
         self.console = console or make_console()
         self.title = title
         self.task = task
@@ -81,6 +84,8 @@ class Display:
             self.live.start(refresh=True)
         else:
             self.console.print(self.title)
+        for row in self.kept:
+            self.add(row)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -111,6 +116,9 @@ class Display:
             self.live.refresh()
         else:
             self.console.print(line(r), soft_wrap=True)
+
+    def complete(self, sweep) -> None:
+        self.fits(sweep.fits)
 
     def fits(self, fits: dict[str, Any]) -> None:
         """Shown below the table when the run ends."""

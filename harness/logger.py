@@ -104,6 +104,15 @@ class RunLogger:
         if self.run is not None:
             self._log({"task/step": step, **{f"task/N{seq_len}/{k}": v for k, v in metrics.items()}})
 
+    def complete(self, sweep) -> None:
+        """The run is done: a table of every point of its directory, and the fitted exponents."""
+        if self.run is None:
+            return
+        from .results import latest, read_jsonl
+
+        self.log_points_table(latest(read_jsonl(sweep.output_dir / "results.jsonl")))
+        self.summary({f"fit/{name}": f["fitted"] for name, f in sweep.fits.items()})
+
     def log_points_table(self, rows: list[dict[str, Any]]) -> None:
         """A wandb.Table of all the directory's points and line plots of time and memory against seq_len."""
         if self.run is None or not rows:

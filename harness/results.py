@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -559,6 +559,24 @@ def _stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime())
 
 
+@dataclass(frozen=True)
+class Sweep:
+    """What a run measured: its points (kept from earlier runs and new), the fitted exponents, where."""
+
+    rows: list[Result]
+    fits: dict[str, Any]
+    output_dir: Path
+
+
+class Sink(Protocol):
+    """Where a run's rows go (the results file, wandb, the console, status.json): each new row is
+    handed once to ``add``, and ``complete`` is told when every point is done."""
+
+    def add(self, row: Result) -> None: ...
+
+    def complete(self, sweep: Sweep) -> None: ...
+
+
 class ResultStore:
     """The results of one output directory, for one run: locked, read and checked, appended.
 
@@ -622,6 +640,13 @@ class ResultStore:
         self.rows.append(rec)
         write_csv(self.csv, latest(self.rows))
 
+    def complete(self, sweep: "Sweep") -> None:
+        """``fit.json``: the run's log-log exponents (two or more lengths), with the series they fit."""
+        if sweep.fits:
+            first = sweep.rows[0]
+            write_json(self.output_dir / "fit.json", {"variant": first.variant, "backend": first.backend,
+                                                      "options": dict(first.options), "fits": sweep.fits})
+
     def close(self) -> None:
         try:
             self._file.close()
@@ -640,28 +665,36 @@ class ResultStore:
 class JobStatus:
     """``status.json``: state (running | completed | failed | refused | interrupted), point counts by
     status, pid, host, times. A run that dies without a word (SIGKILL) leaves "running": ``job_state``
-    tells that apart from a live run by its lock."""
+    tells that apart from a live run by its lock. As a sink of the run, it counts each row handed to it
+    (``done``: the points an earlier run measured, counted from the start)."""
 
-    def __init__(self, out_dir: Path, total: int | None) -> None:
+    def __init__(self, out_dir: Path, total: int | None, done: Sequence[Result] = ()) -> None:
         self.path = Path(out_dir) / "status.json"
         self.info: dict[str, Any] = {"state": "running", "points_total": total, "points_done": 0,
                                      "statuses": {}, "noisy": 0, "pid": os.getpid(),
                                      "hostname": socket.gethostname(), "started": _now(), "updated": _now(),
                                      "error": None}
+        for row in done:
+            self._count(row)
 
-    def update(self, done: Sequence[Result]) -> None:
-        statuses: dict[str, int] = {}
-        for r in done:
-            statuses[r.status] = statuses.get(r.status, 0) + 1
-        self.info.update(points_done=len(done), statuses=statuses, noisy=sum(bool(r.noisy) for r in done),
+    def _count(self, row: Result) -> None:
+        statuses = self.info["statuses"]
+        statuses[row.status] = statuses.get(row.status, 0) + 1
+        self.info.update(points_done=self.info["points_done"] + 1, noisy=self.info["noisy"] + bool(row.noisy),
                          updated=_now())
-        self._write()
+
+    def add(self, row: Result) -> None:
+        self._count(row)
+        self.save()
+
+    def complete(self, sweep: "Sweep") -> None:
+        self.finish("completed")
 
     def finish(self, state: str, error: str | None = None) -> None:
         self.info.update(state=state, error=error, updated=_now())
-        self._write()
+        self.save()
 
-    def _write(self) -> None:
+    def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             write_json(self.path, self.info)

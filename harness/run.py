@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -23,22 +22,15 @@ from variants.blocksparse import MaskedAttention
 
 from . import distributed
 from . import env as envmod
+from .config import DEFAULT_BUDGET_SHARE, ConfigError, Settings, one_line, settings_from_config
 from .console import Display
 from .logger import sweep_group_name, wandb_run
-from .config import DEFAULT_BUDGET_SHARE, ConfigError, Settings, one_line, settings_from_config
-from .quality import quality, task_config
 from .measure import measure_point, noise_reasons, timer_name
-from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, JobStatus, LockedError, Result, ResultStore,
-                      fit_exponents, latest, point_key, series_key, tflops, write_json)
+from .quality import quality, task_config
+from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, JobStatus, LockedError, Result, ResultStore, Sink,
+                      Sweep, fit_exponents, point_key, series_key, tflops, write_json)
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-
-
-@dataclass(frozen=True)
-class Sweep:
-    rows: list[Result]
-    fits: dict[str, Any]
-    output_dir: Path
 
 
 def resolve_device(name: str) -> torch.device:
@@ -150,8 +142,7 @@ class RunFailed(Exception):
     """The run could not go on (its output directory stopped taking writes): one line; status failed."""
 
 
-def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None,
-        display: Display | None = None) -> Sweep:
+def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None) -> Sweep:
     """Measures the configured variant at every sequence length; writes results.jsonl, results.csv,
     env.json, status.json and (with two or more lengths) fit.json into ``output_dir`` (default:
     ``cfg.output_dir``, else Hydra's output directory), and logs the run to wandb (``cfg.logger``).
@@ -174,11 +165,11 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
         except OSError as e:
             raise ConfigError(f"cannot write to the output directory {out_dir}: {e.strerror or e}") from None
         with store:
-            return _run(cfg, team.settings if team else settings, attn, device, store, display, team)
+            return _run(cfg, team.settings if team else settings, attn, device, store, team)
 
 
 def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device, store: ResultStore,
-         display: Display | None, team: distributed.Team | None = None) -> Sweep:
+         team: distributed.Team | None = None) -> Sweep:
     out_dir = store.output_dir
     environment = envmod.collect(device)
     attn.to(device)
@@ -193,26 +184,26 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
              f"H={settings.num_heads} D={settings.head_dim}"
              f"{' causal' if settings.causal else ''} -> {out_dir}")
     config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    display = display or Display(title, len(settings.seq_lens), task=settings.task is not None)
-    status = JobStatus(out_dir, len(settings.seq_lens))
     wanted = {point_key(point_identity(attn, settings, device, n, options)): n for n in settings.seq_lens}
     stored = store.current()
+    # Measured by an earlier run into this directory (and written and logged by it): shown and counted
     kept = [Result.from_record(stored[key]) for key in wanted
             if key in stored and not retried(stored[key], settings.retry)]
     done: list[Result] = list(kept)
+    display = Display(title, len(settings.seq_lens), task=settings.task is not None, kept=kept)
+    status = JobStatus(out_dir, len(settings.seq_lens), done=kept)
     # This series' points in the directory, the run's lengths or not (stop_on_oom looks at all of them)
     series = series_key(point_identity(attn, settings, device, settings.seq_lens[0], options))
     series_rows = {key: row for key, row in stored.items() if series_key(row) == series}
     task_cache: dict[int, dict[str, Any]] = {}  # task.seq_len fixed: trained once, reused at every point
     try:
-        status.update(done)
+        status.save()  # "running", the kept points counted
         write_json(out_dir / "env.json", {**environment.as_dict(), "date": envmod.now(), "config": config})
         with wandb_run(settings.logger, out_dir, {**config, "variant_name": attn.name, "variant_label": label,
                                                   "env": environment.as_dict()},
                        name=label, group=sweep_group(settings), tags=[attn.name, attn.backend, device.type]) as logger, \
                 display:
-            for row in kept:  # measured by an earlier run into this directory (and logged by it): shown
-                display.add(row)
+            sinks: list[Sink] = [store, logger, display, status]  # each new row: written, logged, shown, counted
             measured = {point_key(r.record()) for r in kept}
             # stop_on_oom: shortest first, and once a length does not fit the longer ones are not tried
             order = sorted(wanted.items(), key=lambda item: item[1]) if settings.stop_on_oom else wanted.items()
@@ -224,18 +215,13 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
                                 on_phase=lambda phase, n=seq_len: display.phase(n, phase),
                                 task_log=lambda step, m, n=seq_len: logger.log_task_step(n, step, m),
                                 task_cache=task_cache, measure=team.measure if team else measure_quietest)
-                for sink in (store, logger, display):  # each new row: written, logged, shown
+                for sink in sinks:
                     sink.add(row)
                 series_rows[key] = row.record()
                 done.append(row)
-                status.update(done)
-            fits = fit_exponents(done)
-            if fits:
-                write_json(out_dir / "fit.json", {"variant": attn.name, "backend": attn.backend,
-                                                  "options": dict(options), "fits": fits})
-                display.fits(fits)
-            logger.log_points_table(latest(store.rows))  # every point of the directory
-            logger.summary({f"fit/{name}": f["fitted"] for name, f in fits.items()})
+            sweep = Sweep(done, fit_exponents(done), out_dir)
+            for sink in sinks:
+                sink.complete(sweep)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through the command line's handler
         signal_name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
         message = (f"interrupted ({signal_name}) after {len(done)} of {len(wanted)} points; rerun the same "
@@ -254,8 +240,7 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
     except BaseException as e:
         status.finish("failed", one_line(f"{type(e).__name__}: {e}")[:500])
         raise
-    status.finish("completed")
-    return Sweep(done, fits, out_dir)
+    return sweep
 
 
 def stopped_by(rows: Iterable[Mapping[str, Any]], seq_len: int) -> str | None:
