@@ -33,7 +33,6 @@ import torch.multiprocessing as mp
 
 from variants import VariantError
 from variants.seqpar import SequenceParallel, shard
-from variants.ulysses import Ulysses
 
 from .config import ConfigError, Settings, one_line
 from .measure import Timing, _stats, measure_point, synchronize
@@ -80,17 +79,17 @@ def init_group(rv: Rendezvous, timeout_s: float) -> None:
 
 
 def world_size_of(attn) -> int:
-    return attn.options.world_size if isinstance(attn, SequenceParallel) else 1
+    """Processes the variant runs on: its own fact (1 but for the sequence-parallel variants)."""
+    return attn.world_size
 
 
 def check(settings: Settings, attn) -> None:
-    """Bad input of a sequence-parallel run, one line each (run.validate calls it)."""
-    P = world_size_of(attn)
+    """Bad input of the workload the variant runs (its own check: ulysses needs heads divisible by its
+    world size) and of a sequence-parallel run, one line each (run.validate calls it)."""
+    attn.check_workload(settings.num_heads)
+    P = attn.world_size
     if P == 1:
         return
-    if isinstance(attn, Ulysses) and settings.num_heads % P:
-        raise VariantError(f"ulysses: num_heads={settings.num_heads} is not divisible by world_size={P}; "
-                           f"allowed: num_heads a multiple of {P}")
     if settings.task is not None:
         raise ConfigError(f"task=mqar trains on one process; with {attn.name} world_size={P} allowed: task=none")
     rv = from_environment()
@@ -249,7 +248,7 @@ def merge(rec: dict[str, Any], records: list[dict[str, Any]], backend: str, busy
 def team(cfg, settings: Settings, attn, device: torch.device) -> Iterator[Team | None]:
     """None for a single-process run. Otherwise this process's Team in a group of world_size ranks:
     joined from the launcher's environment, or made here with ranks 1..P-1 started as children."""
-    P = world_size_of(attn)
+    P = attn.world_size
     if P == 1:
         yield None
         return

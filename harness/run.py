@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 
 import variants
 from variants import VariantError
-from variants.blocksparse import MaskedAttention
 
 from . import distributed
 from . import env as envmod
@@ -306,7 +305,7 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
     try:
         flops = attn.flops(B, H, N, D, s.causal)
         rec.update(flops_fwd=flops.executed, flops_fwd_useful=flops.useful, density=attn.density(N, s.causal),
-                   block_density=attn.block_density(N, s.causal) if isinstance(attn, MaskedAttention) else None,
+                   block_density=attn.block_density(N, s.causal),
                    analytic_mem_bytes=attn.memory_bytes(B, H, N, D, element_size, s.causal))
         # q, k, v and the output gradient are allocated too; the analytic figure counts only the extra.
         needed = rec["analytic_mem_bytes"] + 4 * B * H * N * D * element_size
@@ -318,11 +317,9 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
                               f"budget {budget / 1e9:.3g} GB (memory_budget_gb)")
         else:
             rec = (measure or measure_quietest)(attn, s, N, device, rec, on_phase)
-            rec["backend_ran"] = getattr(attn, "last_backend", None) or attn.backend
-            if attn.backend == "flex":  # what the kernel computed: whole tiles of its BlockMask (cached
-                from variants.flex import block_mask_stats  # on the device by the warm-up)
-
-                rec["flops_fwd"] = 4 * B * H * D * block_mask_stats(attn, N, s.causal, device)["executed_pairs"]
+            # What ran: the kernel the backend chose (full's auto), and the FLOPs it executed counted on the
+            # device, where some backends know them only (flex: its BlockMask's tiles, built by the warm-up).
+            rec.update(backend_ran=attn.backend_ran, flops_fwd=attn.flops(B, H, N, D, s.causal, device).executed)
     except OutOfMemoryError as e:
         oom = True
         rec.update(status="oom", reason=one_line(e)[:500])

@@ -106,6 +106,23 @@ def test_flex_prepare_caches_block_mask_and_compiles_cpu():
     assert flex.prepare(attn, (1, 2, FLEX_N, 16), torch.float32, "cpu").block_mask_s < 0.05  # cached
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_flex_executed_pairs_on_a_device_are_its_block_mask_tiles(causal):
+    """What the harness records once flex has run on a device: the BlockMask's tiles there; without a
+    device (before measuring), the allowed pairs. adaptive_span's mask follows its reach."""
+    N = 300  # 3 × 3 tiles of 128, the last one ragged
+    for attn in (variants.build("sliding_window", window=5, backend="flex"),
+                 variants.build("adaptive_span", max_span=300, init_span=10, backend="flex")):
+        tiles = flex.block_mask_stats(attn, N, causal, "cpu")["executed_pairs"]
+        assert tiles == (5 if causal else 7) * 128 * 128  # the diagonal band, causal: no tile above it
+        assert attn.executed_pairs(N, causal, "cpu") == tiles
+        assert attn.executed_pairs(N, causal) == attn.allowed_pairs(N, causal) < tiles
+        assert attn.flops(2, 3, N, 16, causal, "cpu").executed == 4 * 2 * 3 * 16 * tiles
+    with torch.no_grad():
+        attn.z.fill_(300.0)  # reach past N: every tile (causal: those on and below the diagonal)
+    assert attn.executed_pairs(N, causal, "cpu") == (6 if causal else 9) * 128 * 128
+
+
 def test_flex_on_cpu_has_no_backward():
     attn = variants.build("sparse", pattern="fixed", block_size=16)
     q, k, v = (t.float() for t in qkv(1, 2, FLEX_N, 16, seed=3))  # requires grad

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 import variants
 from variants import VariantError, dense_attention
 from variants import blocksparse as engine
+from variants import masks
 from variants.blocksparse import MaskedAttention
 
 from .conftest import VARIANT_YAMLS, qkv
@@ -287,6 +288,43 @@ def test_flops_and_facts():
         attn = cls() if cls is not variants.Linear else cls(max_seq_len=64)
         assert set(attn.available_backends("cpu")) <= set(attn.backend_names())
         assert attn.backend in attn.backend_names()
+        assert attn.flops(1, 2, 100, 16, True, "cpu") == attn.flops(1, 2, 100, 16, True)  # a CPU backend: no change
+
+
+def test_facts_default_in_the_base_class():
+    """What the harness asks every variant, answered by the defaults or the variant's own override."""
+    full = variants.build("full", backend="math")
+    assert full.block_density(100) is None and full.element_predicate(100, True) is None
+    assert full.world_size == 1 and full.backend_ran == "math" and full.last_backend is None
+    full(*qkv(1, 1, 10, 4), causal=True)
+    assert full.last_backend == "math"
+    assert isinstance(variants.build("sliding_window").exact_counterpart(32), variants.Blockwise)
+    assert type(variants.build("reformer").exact_counterpart(32)).__name__ == "SharedQKFull"
+    sw = variants.build("sliding_window", window=3)
+    assert sw.block_density(200) is not None
+    i, j = torch.arange(200)[:, None], torch.arange(200)[None, :]
+    assert torch.equal(sw.element_predicate(200, True)(i, j), sw.mask(200))  # causality excluded
+    assert variants.build("ring", world_size=3).world_size == 3
+    variants.build("ulysses", world_size=2).check_workload(4)
+    with pytest.raises(VariantError, match=r"^ulysses: num_heads=4 is not divisible by world_size=3; allowed: "
+                                           r"num_heads a multiple of 3$"):
+        variants.build("ulysses", world_size=3).check_workload(4)
+
+
+def test_causal_rule_is_j_at_most_i_for_elements_blocks_and_counts():
+    i = torch.arange(50)
+    rule = masks.causal_allowed(i[:, None], i[None, :])  # (N, N)
+    assert torch.equal(rule, torch.ones(50, 50, dtype=torch.bool).tril())
+    assert int(rule.sum()) == masks.causal_pairs(50, True) and masks.causal_pairs(50, False) == 50 * 50
+    assert masks.causal_allowed(3, 3) and not masks.causal_allowed(3, 4)
+    layout = torch.rand(7, 7, generator=torch.Generator().manual_seed(0)) > 0.3
+    assert torch.equal(masks.causal_blocks(layout), layout.tril())
+    # Blocks of one size: block J holds a key j <= i of a query i of block I exactly when J <= I.
+    b = 4
+    for I in range(5):
+        for J in range(5):
+            any_allowed = bool(rule[I * b:(I + 1) * b, J * b:(J + 1) * b].any())
+            assert any_allowed == bool(masks.causal_blocks(torch.ones(5, 5, dtype=torch.bool))[I, J])
 
 
 def test_build_matches_yaml_registry():

@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import flex
 from .base import Attention, Flops, require
-from .masks import Predicate, dense_mask
+from .masks import Predicate, causal_allowed, dense_mask
 
 CHUNK = 64  # query rows per band tile: the tile is CHUNK × (CHUNK + reach on each side)
 
@@ -77,7 +78,7 @@ def span_bias(i: Tensor, j: Tensor, z: Tensor, ramp: int, causal: bool) -> Tenso
     """(H, *grid) additive score bias log m_h(x_ij), −∞ in the future under causal. z: (H,)."""
     x = distance(i, j, causal).to(z.dtype)
     bias = log_mask(soft_mask(x, z.view(-1, *[1] * x.dim()), ramp))
-    return bias.masked_fill(j > i, float("-inf")) if causal else bias
+    return bias.masked_fill(~causal_allowed(i, j), float("-inf")) if causal else bias
 
 
 def band_tile(seq_len: int, reach: int, causal: bool, chunk: int | None = None) -> tuple[int, int, int]:
@@ -85,7 +86,7 @@ def band_tile(seq_len: int, reach: int, causal: bool, chunk: int | None = None) 
     back and (non-causal) ahead. When a tile row would be at least as wide as the sequence (short
     sequences or long spans), one chunk of all N rows against the N keys holds the whole band with no
     padding: a tile of N·N ≤ N·(c + left + right)."""
-    c, left, right = min(chunk or CHUNK, seq_len), reach, 0 if causal else reach
+    c, left, right = min(chunk or CHUNK, seq_len), reach, 0 if causal else reach  # causal: no key after i
     return (seq_len, 0, 0) if c + left + right >= seq_len else (c, left, right)
 
 
@@ -132,6 +133,7 @@ class AdaptiveSpan(Attention):
         o = self.options
         init = float(o.max_span if o.init_span is None else o.init_span)
         self.z = nn.Parameter(torch.full((o.num_heads or 1,), init))  # (H,) or (1,) shared, in tokens
+        self.block_masks = flex.BlockMasks()  # the flex backend's band, per (N, causal, device), for one reach
 
     # ----- spans ---------------------------------------------------------------------------------------
     def spans(self, num_heads: int | None = None) -> Tensor:
@@ -176,7 +178,8 @@ class AdaptiveSpan(Attention):
         return allowed
 
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
-        """Pairs with m > 0, per (batch, head) (averaged over heads): N + (1 or 2)·Σ_{d=1..reach} (N − d)."""
+        """Pairs with m > 0, per (batch, head) (averaged over heads): N + (1 or 2)·Σ_{d=1..reach} (N − d)
+        (one side, j < i, under the causal rule)."""
         N, sides = seq_len, 1 if causal else 2
         counts = [N + sides * (t * N - t * (t + 1) // 2) for t in (min(r, N - 1) for r in self._head_reaches())]
         return sum(counts) // len(counts)
@@ -186,16 +189,20 @@ class AdaptiveSpan(Attention):
         c, left, right = band_tile(seq_len, min(self.reach(), seq_len - 1), causal)
         return -(-seq_len // c), c, c + left + right
 
-    def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
+    def executed_pairs(self, seq_len: int, causal: bool = False, device: torch.device | str | None = None) -> int:
         if self.backend == "dense":
             return seq_len * seq_len
-        if self.backend == "flex":  # the harness replaces this with the BlockMask's tiles after measuring
-            return self.allowed_pairs(seq_len, causal)
+        if self.backend == "flex":  # the tiles of its BlockMask on ``device``; without one, the allowed pairs
+            if device is None:
+                return self.allowed_pairs(seq_len, causal)
+            self._renew_block_masks(seq_len)
+            return flex.block_mask_stats(self, seq_len, causal, device)["executed_pairs"]
         nc, c, L = self.band_shape(seq_len, causal)
         return nc * c * L
 
-    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False) -> Flops:
-        return Flops(executed=4 * B * H * D * self.executed_pairs(N, causal),
+    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False,
+              device: torch.device | str | None = None) -> Flops:
+        return Flops(executed=4 * B * H * D * self.executed_pairs(N, causal, device),
                      useful=4 * B * H * D * self.allowed_pairs(N, causal))
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
@@ -228,13 +235,8 @@ class AdaptiveSpan(Attention):
         eager FlexAttention (materialises the scores: for checking only)."""
         from torch.nn.attention.flex_attention import flex_attention
 
-        from . import flex
-
         H, N = q.shape[1], q.shape[-2]
-        reach = min(self.reach(), N - 1)
-        if getattr(self, "_flex_reach", None) != reach:  # flex.block_mask caches per (N, causal, device)
-            self.__dict__.pop("_flex_block_masks", None)
-            self._flex_reach = reach
+        self._renew_block_masks(N)
         z, ramp = self.spans(H).float(), self.options.ramp
 
         def score_mod(score, b, h, q_idx, kv_idx):
@@ -245,6 +247,10 @@ class AdaptiveSpan(Attention):
         fn = flex.compiled_flex_attention() if compiled else flex_attention
         return fn(q, k, v, score_mod=score_mod, block_mask=flex.block_mask(self, N, causal, q.device),
                   scale=self.scale(q.shape[-1]))
+
+    def _renew_block_masks(self, seq_len: int) -> None:
+        """The band's BlockMasks are built for one reach: training moves it, and then they are rebuilt."""
+        self.block_masks.renew(min(self.reach(), seq_len - 1))
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
         """The contract's formula in float64, written as the paper's renormalisation of masked weights
@@ -257,7 +263,7 @@ class AdaptiveSpan(Attention):
         x = distance(i, j, causal).double()
         m = soft_mask(x, self.spans(H).double()[:, None, None], self.options.ramp)  # (H, N, N)
         if causal:
-            m = m * (j <= i)
+            m = m * causal_allowed(i, j)
         s = (q @ k.transpose(-2, -1)) * self.scale(D)  # (B, H, N, N)
         s = s.masked_fill(m == 0, float("-inf"))  # exp(−∞) = 0: no inf·0 where m = 0
         e = m * torch.exp(s - s.amax(dim=-1, keepdim=True))

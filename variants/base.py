@@ -4,7 +4,8 @@ A variant is an ``nn.Module`` called as ``attn(q, k, v, causal=False)`` on ``(B,
 holds only the attention maths; projections (Wq, Wk, Wv, Wo) live in the shared wrapper of the model
 that uses it. Each variant declares a closed, typed ``Options`` dataclass (a misspelt option fails,
 naming it) and the facts the harness and tests read instead of guessing: causal support, exactness,
-backends, analytic FLOPs and memory, density.
+backends, analytic FLOPs and memory, density, and what a call ran. Each fact has a default here that a
+variant overrides where it differs, so the harness never asks which class it holds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+
+from .masks import Predicate, causal_allowed
 
 
 class VariantError(ValueError):
@@ -50,7 +53,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale:
 
 def causal_mask(seq_len: int, device: torch.device | str | None = None) -> Tensor:
     i = torch.arange(seq_len, device=device)
-    return i[None, :] <= i[:, None]  # (N, N): j ≤ i
+    return causal_allowed(i[:, None], i[None, :])  # (N, N): j ≤ i
 
 
 class Attention(nn.Module):
@@ -74,6 +77,7 @@ class Attention(nn.Module):
         require(backend is None or backend in allowed,
                 f"{self.name}: unknown backend {backend!r}; allowed: {', '.join(allowed)}")
         self._backend = allowed[0] if backend is None else backend
+        self.last_backend: str | None = None  # set by a backend that chooses a kernel per call (full's auto)
 
     # ----- facts -----------------------------------------------------------------------------------
     def backend_names(self) -> list[str]:
@@ -83,6 +87,20 @@ class Attention(nn.Module):
     def backend(self) -> str:
         """The backend this instance runs (the option, or the first of ``backend_names()``)."""
         return self._backend
+
+    @property
+    def backend_ran(self) -> str:
+        """The backend the last call ran: ``backend``, or the kernel it chose (``last_backend``)."""
+        return self.last_backend or self.backend
+
+    @property
+    def world_size(self) -> int:
+        """Processes one call runs on (the sequence-parallel variants: their ``world_size`` option)."""
+        return 1
+
+    def check_workload(self, num_heads: int) -> None:
+        """Raises VariantError (one line naming the allowed values) when the variant, as configured,
+        cannot run ``num_heads`` heads (ulysses: a multiple of its world size). Nothing by default."""
 
     @property
     def is_exact(self) -> bool:
@@ -103,6 +121,20 @@ class Attention(nn.Module):
         """Dense bool (N, N) mask of allowed (query, key) pairs: the test oracle, never the fast path."""
         raise NotImplementedError
 
+    def element_predicate(self, seq_len: int, causal: bool) -> Predicate | None:
+        """The rule ``allowed(i, j)`` of the variant's mask on broadcast index tensors, causality
+        excluded (variants/masks.py), for checks that go a few query rows at a time; None when no
+        such rule exists (linear mixes every key; reformer's set depends on q)."""
+        return None
+
+    def exact_counterpart(self, block_size: int = 256) -> nn.Module:
+        """The exact function this variant approximates, in O(N·block_size) memory forward and backward,
+        for fidelity: exact attention (blockwise exact), unless the variant changes the keys themselves
+        (reformer: full attention on its shared-QK keys)."""
+        from .blockwise import Blockwise  # here: blockwise builds on this module
+
+        return Blockwise(mode="exact", block_size=block_size)
+
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
         """Number of (query, key) pairs whose scores the variant's function uses, per (batch, head)."""
         m = self.mask(seq_len, causal)
@@ -112,11 +144,20 @@ class Attention(nn.Module):
         """Used score entries over N²: 1 for full, about 1/2 for full causal."""
         return self.allowed_pairs(seq_len, causal) / seq_len**2
 
-    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False) -> Flops:
-        useful = 4 * B * H * D * self.allowed_pairs(N, causal)
-        return Flops(executed=4 * B * H * D * self.executed_pairs(N, causal), useful=useful)
+    def block_density(self, seq_len: int, causal: bool = False) -> float | None:
+        """Computed key blocks over all nb² blocks; None for a variant without a block layout."""
+        return None
 
-    def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
+    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False,
+              device: torch.device | str | None = None) -> Flops:
+        """``device``: see ``executed_pairs``."""
+        useful = 4 * B * H * D * self.allowed_pairs(N, causal)
+        return Flops(executed=4 * B * H * D * self.executed_pairs(N, causal, device), useful=useful)
+
+    def executed_pairs(self, seq_len: int, causal: bool = False, device: torch.device | str | None = None) -> int:
+        """(query, key) pairs the backend computes per (batch, head). ``device``: where it runs, for a
+        backend whose count is known only there (flex: the tiles of its BlockMask, built on that device
+        and kept); without it such a count is the allowed pairs, the fused kernels' convention."""
         return self.allowed_pairs(seq_len, causal)
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:

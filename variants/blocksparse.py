@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .base import Attention, dense_attention
-from .masks import Predicate, causal_blocks, dense_mask, layout_predicate
+from .flex import BlockMasks, block_mask_stats
+from .masks import Predicate, causal_allowed, causal_blocks, dense_mask, layout_predicate
 
 FUSED_BACKENDS = ("flex", "xformers")  # GPU kernels that tile internally: no gathered blocks in memory
 TILE_KEYS = 128  # keys per chunk (rounded to whole blocks): small tiles stay in cache between passes
@@ -134,7 +135,9 @@ class Patterns:
         N, b = self.N, self.b
         ids = torch.where(J >= 0, ALLOWED, EMPTY)
         special = J >= 0
-        if self.allowed is None:  # whole blocks: only the causal diagonal and the ragged last block differ
+        # Whole blocks: only the ragged last block and, under the causal rule on blocks (causal_blocks),
+        # the diagonal ones are partly allowed.
+        if self.allowed is None:
             last = (N - 1) // b
             edge = (I == last) | (J == last) if N % b else torch.zeros_like(special)
             special &= edge | ((J == I) if self.causal else torch.zeros_like(special))
@@ -146,7 +149,7 @@ class Patterns:
             j = (J[rc[:, 0], rc[:, 1]][:, None] * b + ar)[:, None, :]  # (m, 1, b)
             ok = (i < N) & (j < N)
             if self.causal:
-                ok = ok & (j <= i)
+                ok = ok & causal_allowed(i, j)
             if self.allowed is not None:
                 ok = ok & self.allowed(i, j)
             packed = np.packbits((~ok).reshape(len(rc), -1).numpy(), axis=1)
@@ -326,6 +329,7 @@ class MaskedAttention(Attention):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._plans: dict[tuple[int, bool], BlockPlan] = {}
+        self.block_masks = BlockMasks()  # the flex backend's, per (N, causal, device)
 
     # What a subclass defines ------------------------------------------------------------------------
     def engine_block_size(self, seq_len: int) -> int:
@@ -354,6 +358,7 @@ class MaskedAttention(Attention):
         return self._plans[key]
 
     def element_predicate(self, seq_len: int, causal: bool) -> Predicate:
+        """The predicate, or the layout's rule where whole blocks are allowed."""
         pred = self.predicate(seq_len, causal)
         if pred is None:
             pred = layout_predicate(self.layout(seq_len, causal), self.engine_block_size(seq_len))
@@ -365,12 +370,13 @@ class MaskedAttention(Attention):
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
         return self.plan(seq_len, causal).allowed_pairs
 
-    def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
+    def executed_pairs(self, seq_len: int, causal: bool = False, device: torch.device | str | None = None) -> int:
         if self.backend == "dense":
             return seq_len * seq_len
+        if self.backend == "flex" and device is not None:  # the tiles of its BlockMask on that device
+            return block_mask_stats(self, seq_len, causal, device)["executed_pairs"]
         if self.backend in FUSED_BACKENDS:
-            # Counted on the allowed pairs, as for fused SDPA kernels (FlashAttention's convention);
-            # the harness replaces flex's figure with its BlockMask's computed tiles after measuring.
+            # Counted on the allowed pairs, as for fused SDPA kernels (FlashAttention's convention).
             return self.allowed_pairs(seq_len, causal)
         return self.plan(seq_len, causal).computed_blocks * self.engine_block_size(seq_len) ** 2
 

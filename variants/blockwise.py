@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .base import require
 from .blocksparse import MaskedAttention
-from .masks import local_layout, num_blocks
+from .masks import causal_pairs, local_layout, num_blocks
 
 MODES = ("exact", "local")
 
@@ -59,13 +59,13 @@ class Blockwise(MaskedAttention):
 
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
         if self.options.mode == "exact":  # counted, not enumerated: the layout is every block
-            return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+            return causal_pairs(seq_len, causal)
         return super().allowed_pairs(seq_len, causal)
 
-    def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
+    def executed_pairs(self, seq_len: int, causal: bool = False, device: torch.device | str | None = None) -> int:
         if self.options.mode == "exact" and self.backend == "dense":
             return seq_len * seq_len  # counted: the engine's pair count would enumerate N² elements
-        return super().executed_pairs(seq_len, causal)
+        return super().executed_pairs(seq_len, causal, device)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
         if backend == "online":  # the engine: its plan of the all-ones layout

@@ -2,13 +2,15 @@
 
 The variant's element predicate ``allowed(i, j)`` (docs/variants.md; causality excluded)
 becomes FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) = allowed(q_idx, kv_idx) [& kv_idx <= q_idx]``
+(the causal rule, ``masks.causal_allowed``)
 and, through it, a ``BlockMask`` of 128×128 tiles: empty tiles are skipped, full tiles run without the
 mask_mod, partial tiles (band edges, the ragged last block when N is not a multiple of 128) apply it
 element by element. Layout-defined variants (sparse, blockwise local) look the block layout up in a
 tensor on the inputs' device; blockwise exact has no element restriction (only the causal one).
 
 Costs kept apart so the harness can log them outside its timed region:
-- ``block_mask(attn, N, causal, device)`` builds and caches the BlockMask per (N, causal, device).
+- ``block_mask(attn, N, causal, device)`` builds the BlockMask once per (N, causal, device) and keeps
+  it in the variant's ``block_masks`` (a ``BlockMasks``, declared by each variant with a flex backend).
   ``create_block_mask`` evaluates the mask on the whole N×N grid (with int64 temporaries); above
   ``CHUNK_ELEMENTS`` grid points it is evaluated in strips of query rows instead, so memory stays
   O(strip·N) and the BlockMask is the same.
@@ -34,6 +36,7 @@ import torch
 from torch import Tensor
 
 from .base import Attention, VariantError
+from .masks import causal_allowed
 
 BLOCK_SIZE = 128  # FlexAttention's sparse block (tile) size, both query and key
 CHUNK_ELEMENTS = 1 << 24  # above this many grid points (N > 4096), evaluate the mask in row strips
@@ -76,16 +79,17 @@ def mask_mod(attn: Attention, seq_len: int, causal: bool, device: torch.device |
         if not bool(layout.all()):  # all-true (blockwise exact): no element restriction
             pred = _layout_lookup(layout, attn.engine_block_size(seq_len), seq_len, device)
 
-    # Causality as data, not code: kv_idx <= q_idx + reach with reach = 0 (causal) or N (no limit), so
-    # causal and non-causal calls share one compiled kernel (the BlockMask still skips future tiles).
+    # Causality as data, not code: the causal rule from query q_idx + reach, kv_idx <= q_idx + reach, with
+    # reach = 0 (causal) or N (no limit), so causal and non-causal calls share one compiled kernel (the
+    # BlockMask still skips future tiles).
     reach = torch.tensor(0 if causal else seq_len, dtype=torch.int32, device=device)
     if pred is None:
         def within_reach(b_idx, h_idx, q_idx, kv_idx):
-            return kv_idx <= q_idx + reach
+            return causal_allowed(q_idx + reach, kv_idx)
         return within_reach
 
     def allowed_within_reach(b_idx, h_idx, q_idx, kv_idx):
-        return pred(q_idx, kv_idx) & (kv_idx <= q_idx + reach)
+        return pred(q_idx, kv_idx) & causal_allowed(q_idx + reach, kv_idx)
     return allowed_within_reach
 
 
@@ -154,21 +158,34 @@ def build_block_mask(attn: Attention, seq_len: int, causal: bool, device: torch.
     return _create_block_mask_in_strips(mod, seq_len, device, rows)
 
 
+class BlockMasks(dict):
+    """A variant's BlockMasks, (N, causal, device) -> BlockMask, filled by ``block_mask``: building one
+    evaluates the mask on the whole grid, far more work than a call, so each is built once. A mask that
+    changes as the variant trains (adaptive_span's reach) is ``renew``ed: the masks of another value go."""
+
+    built_for: Any = None  # what else the masks depend on (adaptive_span: the reach); None: nothing
+
+    def renew(self, built_for: Any) -> None:
+        if built_for != self.built_for:
+            self.clear()
+            self.built_for = built_for
+
+
 def block_mask(attn: Attention, seq_len: int, causal: bool, device: torch.device | str):
-    """The BlockMask for (N, causal, device), built once per variant instance and cached on it."""
+    """The BlockMask for (N, causal, device), built once and kept in ``attn.block_masks``."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    cache = attn.__dict__.setdefault("_flex_block_masks", {})
     key = (seq_len, causal, str(device))
-    if key not in cache:
-        cache[key] = build_block_mask(attn, seq_len, causal, device)
-    return cache[key]
+    if key not in attn.block_masks:
+        attn.block_masks[key] = build_block_mask(attn, seq_len, causal, device)
+    return attn.block_masks[key]
 
 
 def block_mask_stats(attn: Attention, seq_len: int, causal: bool, device: torch.device | str = "cpu") -> dict:
     """Tiles FlexAttention computes: partial (mask_mod applied), full, of nb² in all; executed pairs
-    counts every computed tile as BLOCK_SIZE² (what the kernel does)."""
+    counts every computed tile as BLOCK_SIZE² (what the kernel does: the flex backend's
+    ``executed_pairs`` on a device)."""
     bm = block_mask(attn, seq_len, causal, device)
     partial = int(bm.kv_num_blocks.sum())
     full = int(bm.full_kv_num_blocks.sum()) if bm.full_kv_num_blocks is not None else 0

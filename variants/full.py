@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .base import Attention, VariantError, causal_mask, dense_attention
+from .masks import causal_pairs
 
 # Pinned SDPA kernels: ``sdpa_kernel([one])`` makes SDPA run that kernel or raise, never fall back.
 SDPA_KERNELS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -43,7 +44,6 @@ class Full(Attention):
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
-        self.last_backend: str | None = None  # the backend (for auto: the kernel) the last call ran
         self.auto_choices: dict[tuple, str] = {}  # (shape, dtype, causal, device, grad) -> backend
         self.auto_timings: dict[tuple, dict[str, float | str]] = {}  # same key -> ms per candidate or error
 
@@ -55,9 +55,9 @@ class Full(Attention):
         return causal_mask(seq_len) if causal else torch.ones(seq_len, seq_len, dtype=torch.bool)
 
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
-        return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+        return causal_pairs(seq_len, causal)
 
-    def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
+    def executed_pairs(self, seq_len: int, causal: bool = False, device: torch.device | str | None = None) -> int:
         # The math path computes every score and masks; fused kernels skip future blocks.
         return seq_len * seq_len if self.backend in ("math", "sdpa_math") else self.allowed_pairs(seq_len, causal)
 
@@ -70,14 +70,14 @@ class Full(Attention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
         if backend == "auto":
             backend = self._auto_choice(q, causal)
-        self.last_backend = backend
+        self.last_backend = backend  # the backend (for auto: the kernel) this call runs
         if backend in SDPA_KERNELS:
             return self._pinned_sdpa(q, k, v, causal, backend)
         if backend == "xformers":
             from . import xformers_backend as xf
 
             return xf.attention(q, k, v, xf.causal_bias(causal), self.scale(q.shape[-1]))
-        if backend == "sdpa":
+        if backend == "sdpa":  # SDPA's is_causal on N×N is the causal rule j ≤ i (masks.causal_allowed)
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         mask = causal_mask(q.shape[-2], q.device) if causal else None
         return dense_attention(q, k, v, mask, self.scale(q.shape[-1]))

@@ -71,7 +71,8 @@ class Linear(Attention):
     def density(self, seq_len: int, causal: bool = False) -> float:
         return self.options.proj_dim / seq_len  # N·k / N²: above 1 when k > N (more scores than full)
 
-    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False) -> Flops:
+    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False,
+              device: torch.device | str | None = None) -> Flops:
         # Attention on k projected keys (4·N·k·D) plus the two projections E·K, F·V (2·2·k·N·D).
         total = 8 * B * H * N * self.options.proj_dim * D
         return Flops(executed=total, useful=total)

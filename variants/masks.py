@@ -2,7 +2,8 @@
 
 Written once, used three ways: the dense mask (test oracle, plots), the block layout that tells the
 block-sparse engine which key blocks each query block needs, and (on GPU) FlexAttention's mask_mod.
-Every predicate broadcasts over index tensors and excludes causality: callers add ``j <= i``.
+Every predicate broadcasts over index tensors and excludes causality: callers add ``causal_allowed``,
+the one causal rule (element level, and through ``causal_blocks`` block level).
 Conventions follow docs/variants.md: windows are one-sided, blocks are I = i // b.
 """
 
@@ -15,6 +16,18 @@ import torch
 from torch import Tensor
 
 Predicate = Callable[[Tensor, Tensor], Tensor]  # (i, j) broadcastable int tensors -> bool tensor
+
+
+def causal_allowed(i: Tensor | int, j: Tensor | int) -> Tensor | bool:
+    """The causal rule: query i may use key j only if j ≤ i. A decoder predicts position i + 1 from
+    positions ≤ i, so no query may see a key after itself. On index tensors (broadcast) or plain ints;
+    on block indices it is the block rule (``causal_blocks``)."""
+    return j <= i
+
+
+def causal_pairs(seq_len: int, causal: bool) -> int:
+    """Pairs (i, j) of N positions the causal rule allows: N(N + 1)/2 (j ≤ i), or all N² without it."""
+    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
 
 
 def sliding_window(window: int, dilation: int = 1, global_tokens: int = 0) -> Predicate:
@@ -43,7 +56,7 @@ def dense_mask(allowed: Predicate, seq_len: int, causal: bool) -> Tensor:
     i = torch.arange(seq_len)[:, None]
     j = torch.arange(seq_len)[None, :]
     m = allowed(i, j)
-    return m & (j <= i) if causal else m
+    return m & causal_allowed(i, j) if causal else m
 
 
 def num_blocks(seq_len: int, block_size: int) -> int:
@@ -55,8 +68,11 @@ def _block_grid(nb: int) -> tuple[Tensor, Tensor]:
 
 
 def causal_blocks(layout: Tensor) -> Tensor:
-    """Drops key blocks entirely in the future (J > I): they are skipped, not masked."""
-    return torch.tril(layout)
+    """Drops key blocks entirely in the future: they are skipped, not masked. The causal rule on block
+    indices: with one block size for queries and keys, block J holds a key j ≤ i of some query i of
+    block I exactly when J ≤ I (and the diagonal block J = I is the only partly allowed one)."""
+    I, J = _block_grid(layout.shape[0])
+    return layout & causal_allowed(I, J)
 
 
 def window_layout(nb: int, block_size: int, window: int, dilation: int, global_tokens: int) -> Tensor:
@@ -94,7 +110,7 @@ def bigbird_layout(nb: int, window_blocks: int, global_blocks: int, random_block
     same on every run and device."""
     I, J = _block_grid(nb)
     base = ((I - J).abs() <= (window_blocks - 1) // 2) | (I < global_blocks) | (J < global_blocks)
-    candidates = ~base & (J <= I) if causal else ~base
+    candidates = ~base & causal_allowed(I, J) if causal else ~base
     if random_blocks == 0:
         return base
     # One uniform key per (I, J) from the seeded generator; each row takes its r largest among the

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .base import Attention, Flops, dense_attention, require
+from .masks import causal_allowed
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class Reformer(Attention):
         found = ((cj == ci) | (cj == (ci - 1) % n_c)).any(dim=2)  # (B, H, N, N): union over rounds
         i = torch.arange(N, device=q.device)
         if causal:
-            found &= i[None, :] <= i[:, None]
+            found &= causal_allowed(i[:, None], i[None, :])
         others = found & (i[None, :] != i[:, None])
         alone = ~others.any(dim=-1, keepdim=True)  # (B, H, N, 1): nothing but i itself
         return others | (alone & torch.eye(N, dtype=torch.bool, device=q.device))
@@ -156,16 +157,17 @@ class Reformer(Attention):
         cap = self.options.n_hashes * self.window(seq_len)
         if not causal:
             return seq_len * min(cap, seq_len)
-        k = min(cap, seq_len)  # queries i < k see at most i + 1 keys
+        k = min(cap, seq_len)  # queries i < k see at most i + 1 keys (the causal rule: j ≤ i)
         return k * (k + 1) // 2 + (seq_len - k) * cap
 
-    def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
+    def executed_pairs(self, seq_len: int, causal: bool = False, device: torch.device | str | None = None) -> int:
         if self.backend == "dense":
             return seq_len * seq_len
         n_c = self.num_chunks(seq_len)
         return self.options.n_hashes * n_c * self.options.bucket_size * self.window(seq_len)
 
-    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False) -> Flops:
+    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False,
+              device: torch.device | str | None = None) -> Flops:
         # Hashing (q·R for every round: 2·N·D·n_buckets/2) is executed work beside the attention.
         hashing = B * H * self.options.n_hashes * N * D * self.num_buckets(N)
         return Flops(executed=4 * B * H * D * self.executed_pairs(N, causal) + hashing,
@@ -226,7 +228,7 @@ class Reformer(Attention):
         n_c, w = pos_q.shape[-2], pos_k.shape[-1]
         own = torch.eye(c, w, dtype=torch.bool, device=pos_q.device)  # (c, w): slot of i itself
         if causal:
-            keep = pos_k[..., None, :] <= pos_q[..., :, None]  # j ≤ i (padded keys hold N)
+            keep = causal_allowed(pos_q[..., :, None], pos_k[..., None, :])  # j ≤ i (padded keys hold N)
         else:
             keep = (pos_k < N)[..., None, :].expand(*pos_q.shape, w)
         others = keep & ~own
@@ -294,6 +296,6 @@ def _counterpart_rows(q_rows: Tensor, khat: Tensor, v: Tensor, r0: int, causal: 
     N = khat.shape[-2]
     i = torch.arange(r0, r0 + q_rows.shape[-2], device=q_rows.device)[:, None]  # (R, 1)
     j = torch.arange(N, device=q_rows.device)[None, :]  # (1, N)
-    others = (j != i) & (j <= i) if causal else (j != i)  # (R, N)
+    others = (j != i) & causal_allowed(i, j) if causal else (j != i)  # (R, N)
     allowed = others | ((j == i) & ~others.any(dim=-1, keepdim=True))
     return dense_attention(q_rows, khat, v, allowed, scale)  # (B, H, R, D)

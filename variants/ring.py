@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .base import require
+from .masks import causal_allowed
 from .seqpar import LAYOUTS, SequenceParallel, local_runs, shard_runs
 
 
@@ -72,7 +73,7 @@ class Ring(SequenceParallel):
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
         return self.wrapped.allowed_pairs(seq_len, causal)
 
-    def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
+    def executed_pairs(self, seq_len: int, causal: bool = False, device: torch.device | str | None = None) -> int:
         """Whole tiles computed by all ranks together (a partly masked tile counts whole)."""
         P = self.options.world_size
         if seq_len < P * (2 if self.options.layout == "zigzag" else 1):
@@ -99,17 +100,17 @@ class Ring(SequenceParallel):
 def tiles(q_runs, k_runs, causal: bool, block: int | None) -> Iterator[tuple[tuple, tuple, bool]]:
     """The score tiles of one (query shard, key shard) pair: ((q local start, end, global start),
     (k local start, end, global start), needs the causal mask). Keys in blocks of ``block`` (None: a
-    whole run); under causal a tile wholly in the future is skipped and one wholly in the past is not
-    masked."""
+    whole run); under causal (the rule j ≤ i applied to a tile's corners) a tile wholly in the future is
+    skipped and one wholly in the past is not masked."""
     for qs, qe, qg in q_runs:
         for ks, ke, kg in k_runs:
             step = block or (ke - ks)
             for b in range(ks, ke, step):
                 be = min(b + step, ke)
                 first_key, last_key = kg + b - ks, kg + be - ks - 1
-                if causal and first_key > qg + qe - qs - 1:
+                if causal and not causal_allowed(qg + qe - qs - 1, first_key):
                     continue  # every key after every query
-                yield (qs, qe, qg), (b, be, first_key), causal and last_key > qg
+                yield (qs, qe, qg), (b, be, first_key), causal and not causal_allowed(qg, last_key)
 
 
 def tile_scores(q: Tensor, k: Tensor, qt: tuple, kt: tuple, masked: bool, scale: float, acc) -> Tensor:
@@ -118,7 +119,7 @@ def tile_scores(q: Tensor, k: Tensor, qt: tuple, kt: tuple, masked: bool, scale:
     if masked:
         i = torch.arange(qg, qg + qe - qs, device=q.device)[:, None]
         j = torch.arange(kg, kg + ke - ks, device=q.device)[None, :]
-        s = s.masked_fill(j > i, float("-inf"))
+        s = s.masked_fill(~causal_allowed(i, j), float("-inf"))
     return s
 
 

@@ -114,6 +114,10 @@ class SequenceParallel(Attention):
     def inner_build_options(self, inner_options: dict[str, Any]) -> dict[str, Any]:
         return inner_options
 
+    @property
+    def world_size(self) -> int:
+        return self.options.world_size
+
     # ----- the process group -----------------------------------------------------------------------
     def process_group(self) -> tuple[Any, int, int]:
         """(group, rank, size) of the group this call runs on; (None, 0, 1) without one."""

@@ -39,7 +39,7 @@ class Ulysses(SequenceParallel):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         inner = self.wrapped
-        require(getattr(inner, "heads_independent", True),
+        require(inner.heads_independent,
                 f"ulysses: inner {inner.name} with {inner.extra_repr()} treats heads differently (one projection "
                 f"per head), so head shards would change its function; use share=headwise or kv")
 
@@ -76,8 +76,13 @@ class Ulysses(SequenceParallel):
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
         return self.wrapped.allowed_pairs(seq_len, causal)
 
-    def executed_pairs(self, seq_len: int, causal: bool = False) -> int:
-        return self.wrapped.executed_pairs(seq_len, causal)
+    def executed_pairs(self, seq_len: int, causal: bool = False, device: torch.device | str | None = None) -> int:
+        return self.wrapped.executed_pairs(seq_len, causal, device)
+
+    def check_workload(self, num_heads: int) -> None:
+        P = self.options.world_size
+        require(num_heads % P == 0, f"ulysses: num_heads={num_heads} is not divisible by world_size={P}; "
+                                    f"allowed: num_heads a multiple of {P}")
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
         """Per rank: the inner variant's at H/P heads, plus the all-to-all buffers (q, k, v, o and their
@@ -101,7 +106,7 @@ class Ulysses(SequenceParallel):
         qkv = AllToAll.apply(torch.stack((q, k, v)), seq_to_heads, heads_to_seq, self, group, rank,
                              lengths)  # (3, B, H/P, N, D)
         out = self.wrapped(qkv[0], qkv[1], qkv[2], causal=causal)  # (B, H/P, N, D)
-        self.last_backend = getattr(self.wrapped, "last_backend", None)
+        self.last_backend = self.wrapped.last_backend
         return AllToAll.apply(out, heads_to_seq, seq_to_heads, self, group, rank, lengths)  # (B, H, n_rank, D)
 
 

@@ -35,6 +35,7 @@ from torch import Tensor
 
 import variants
 from variants.base import Attention
+from variants.masks import causal_allowed
 
 INPUT_KINDS = ("gaussian", "local", "peaked")
 LOCAL_LENGTH = 32.0  # ℓ: length scale (positions) of the positional kernel of ``local``
@@ -97,11 +98,10 @@ def mass_kept(attn: Attention, q: Tensor, k: Tensor, causal: bool, block_size: i
     """
     if attn.is_exact:
         return 1.0
-    predicate = getattr(attn, "element_predicate", None)
-    if predicate is None:
-        return None  # e.g. linear: no (query, key) mask, every query sees mixtures of all keys
     B, H, N, D = q.shape
-    allowed = predicate(N, causal)
+    allowed = attn.element_predicate(N, causal)
+    if allowed is None:
+        return None  # e.g. linear: no (query, key) mask, every query sees mixtures of all keys
     scale = attn.scale(D)
     kd = k.double()
     j = torch.arange(N, device=q.device)[None, :]  # (1, N)
@@ -111,7 +111,7 @@ def mass_kept(attn: Attention, q: Tensor, k: Tensor, causal: bool, block_size: i
         i = torch.arange(r0, r1, device=q.device)[:, None]  # (R, 1)
         s = (q[:, :, r0:r1].double() @ kd.transpose(-2, -1)) * scale  # (B, H, R, N)
         if causal:
-            s = s.masked_fill(j > i, float("-inf"))
+            s = s.masked_fill(~causal_allowed(i, j), float("-inf"))
         p = s.softmax(dim=-1)  # (B, H, R, N): exact probabilities of these rows
         lost = lost + p.masked_fill(allowed(i, j), 0.0).sum()  # mass on disallowed pairs
     return float(1.0 - lost / (B * H * N))
@@ -130,16 +130,14 @@ def fidelity(attn: Attention, q: Tensor, k: Tensor, v: Tensor, causal: bool = Fa
             reference does not read, reformer's k, is left out).
         mass_kept: see ``mass_kept``; 1.0 for exact variants, None for variants without a mask.
 
-    The variant runs in q's dtype; the reference is ``variants.Blockwise(mode="exact",
-    block_size=block_size)`` on float64 copies, O(N·block_size) memory forward and backward, or the
-    variant's ``exact_counterpart(block_size)`` where it has one (reformer: full attention on its
-    shared-QK keys with its self rule).
+    The variant runs in q's dtype; the reference is the variant's ``exact_counterpart(block_size)`` on
+    float64 copies, O(N·block_size) memory forward and backward: ``variants.Blockwise(mode="exact",
+    block_size=block_size)``, or for reformer full attention on its shared-QK keys with its self rule.
     """
     if causal and not attn.supports_causal:
         raise variants.VariantError(attn.causal_error())
     # Exact attention, or the variant's own exact counterpart (reformer: full attention on its keys).
-    counterpart = getattr(attn, "exact_counterpart", None)
-    reference = counterpart(block_size) if counterpart else variants.Blockwise(mode="exact", block_size=block_size)
+    reference = attn.exact_counterpart(block_size)
     gen = torch.Generator().manual_seed(grad_seed)
     upstream = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(q.device)  # (B, H, N, D)
 
