@@ -78,11 +78,6 @@ def init_group(rv: Rendezvous, timeout_s: float) -> None:
                             world_size=rv.world_size, timeout=timedelta(seconds=timeout_s))
 
 
-def world_size_of(attn) -> int:
-    """Processes the variant runs on: its own fact (1 but for the sequence-parallel variants)."""
-    return attn.world_size
-
-
 def check(settings: Settings, attn) -> None:
     """Bad input of the workload the variant runs (its own check: ulysses needs heads divisible by its
     world size) and of a sequence-parallel run, one line each (run.validate calls it)."""

@@ -175,7 +175,7 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
     attn.requires_grad_(settings.measure.param_grads)
     budget = memory_budget_bytes(settings, device)
     if team is not None and budget is not None:  # the ranks on this machine share it
-        budget //= distributed.world_size_of(attn)
+        budget //= attn.world_size
     options = tuple(dataclasses.asdict(attn.options).items())
     label = variant_label(attn)
     title = (f"{label} on {device.type} ({environment.device_name}), {settings.dtype}, "
