@@ -144,16 +144,25 @@ class AdaptiveSpan(Attention):
         z = self.z.clamp(0, o.max_span)
         return z if num_heads is None else z.expand(num_heads)
 
+    # Training as the paper does (the task calls these on every attention layer)
+    def regulariser(self) -> Tensor:
+        """The paper's loss term per layer, before its coefficient: the mean span over the heads
+        (λ/M · Σ_h z_h for M heads, as in the authors' code: λ · S · mean of z/S)."""
+        return self.spans().mean()
+
+    def param_groups(self) -> list[dict]:
+        """z steps at lr·S: under Adam the same as the paper's parameter z/S in [0, 1] at lr (at lr itself
+        a span would move about one token in 300 steps); no weight decay."""
+        return [{"params": [self.z], "weight_decay": 0.0, "lr_scale": float(self.options.max_span or 1)}]
+
     @torch.no_grad()
-    def clamp_spans_(self) -> None:
+    def after_step(self) -> None:
         """Keeps the parameter itself in [0, S] (the paper clamps after every optimiser step, so that a
         span pushed past either end can come back)."""
         self.z.clamp_(0, self.options.max_span)
 
-    def span_penalty(self) -> Tensor:
-        """The paper's loss term per layer, before its coefficient: the mean span over the heads
-        (λ/M · Σ_h z_h for M heads, as in the authors' code: λ · S · mean of z/S)."""
-        return self.spans().mean()
+    def training_metrics(self) -> dict[str, list[float]]:
+        return {"span": self.spans().detach().tolist()}
 
     def reach(self) -> int:
         """Largest distance with m > 0 for some head: ⌈max z⌉ + R − 1 (m(x) > 0 ⇔ x < z + R)."""

@@ -166,6 +166,24 @@ class Attention(nn.Module):
         # gradients and outputs. Variants with their own structure override this.
         return element_size * B * H * (3 * self.executed_pairs(N, causal) + 6 * N * D)
 
+    # ----- training: what a model that trains the variant asks of each layer (harness/quality/task.py) -
+    def regulariser(self) -> Tensor | None:
+        """A term of the training loss, before the task's coefficient (adaptive_span: the mean span of
+        its heads, the paper's span loss); None: the variant adds nothing."""
+        return None
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The variant's own parameters that train apart from the model's, as optimiser groups
+        (``lr_scale`` multiplies the task's learning rate); the model's groups leave them out."""
+        return []
+
+    def after_step(self) -> None:
+        """Called after each optimiser step (adaptive_span keeps its spans in range)."""
+
+    def training_metrics(self) -> dict[str, list[float]]:
+        """Numbers to log while training, one per head (adaptive_span: ``span``)."""
+        return {}
+
     # ----- call ------------------------------------------------------------------------------------
     def scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)

@@ -21,7 +21,6 @@ from torch import Tensor
 import variants
 from harness.quality.model import POSITIONS, TinyTransformer, query_loss
 from harness.quality.mqar import IGNORE_INDEX, mqar_batch, validate
-from variants.adaptive_span import AdaptiveSpan
 
 Log = Callable[[int, dict[str, float]], None]
 
@@ -139,22 +138,23 @@ def build_model(variant: str | type[variants.Attention], variant_options: Mappin
                            positions=cfg.positions, short_conv=cfg.short_conv)
 
 
-def span_layers(model: torch.nn.Module) -> list[AdaptiveSpan]:
-    """The model's adaptive_span attentions, one per layer (empty for every other variant)."""
-    return [m for m in model.modules() if isinstance(m, AdaptiveSpan)]
+def attention_layers(model: torch.nn.Module) -> list[variants.Attention]:
+    """The model's attention variants, one per layer: what the training loop asks for their own terms."""
+    return [m for m in model.modules() if isinstance(m, variants.Attention)]
 
 
 def span_penalty(model: torch.nn.Module, cfg: MQARConfig) -> Tensor:
-    """The paper's span loss: λ · Σ over layers of the mean span of the layer's heads (λ/M · Σ_h z_h);
-    0 for variants without learnable spans."""
-    layers = span_layers(model)
-    return cfg.span_penalty * sum((a.span_penalty() for a in layers), torch.zeros(()))
+    """The regularisers of the model's attention layers times the task's coefficient: adaptive_span's
+    span loss, λ · Σ over layers of the mean span of the layer's heads (λ/M · Σ_h z_h); 0 for variants
+    without one."""
+    terms = [t for t in (a.regulariser() for a in attention_layers(model)) if t is not None]
+    return cfg.span_penalty * sum(terms, torch.zeros(()))
 
 
-def span_metrics(model: torch.nn.Module) -> dict[str, float]:
-    """Each head's current span, ``span_l<layer>_h<head>`` (tokens, clamped to [0, max_span])."""
-    return {f"span_l{layer}_h{h}": z for layer, a in enumerate(span_layers(model))
-            for h, z in enumerate(a.spans().detach().tolist())}
+def layer_metrics(model: torch.nn.Module) -> dict[str, float]:
+    """The layers' per-head numbers, ``<name>_l<layer>_h<head>`` (adaptive_span: span_l0_h0, in tokens)."""
+    return {f"{name}_l{layer}_h{h}": value for layer, a in enumerate(attention_layers(model))
+            for name, values in a.training_metrics().items() for h, value in enumerate(values)}
 
 
 def make_eval_set(cfg: MQARConfig) -> tuple[Tensor, Tensor]:
@@ -190,24 +190,24 @@ def train_mqar(variant: str | type[variants.Attention], variant_options: Mapping
     ``history`` (one dict per eval: step, train_loss averaged since the previous eval, eval_accuracy,
     eval_loss), ``chance_accuracy``, ``num_params``, ``causal`` and ``train_seconds``.
 
-    ``log(step, {"train_loss", "eval_accuracy", "eval_loss"})`` is called at every eval. With
-    adaptive_span the loss adds the span penalty (``span_penalty``), the metrics add it and every head's
-    span (``span_l<layer>_h<head>``), and the spans are trained as the paper does: kept in [0, max_span]
-    after each step, and stepped at lr·max_span (under Adam the same as the paper's parameter z/max_span
-    in [0, 1] at lr; at lr itself a span would move about one token in 300 steps).
+    ``log(step, {"train_loss", "eval_accuracy", "eval_loss"})`` is called at every eval. Each attention
+    layer trains its own way through the variant's training hooks (variants/base.py): with adaptive_span
+    the loss adds the span penalty (``span_penalty``), the metrics add it and every head's span
+    (``span_l<layer>_h<head>``), and the spans are kept in [0, max_span] after each step and stepped at
+    lr·max_span, as the paper trains them.
     """
     cfg = cfg or MQARConfig()
     variant_options = dict(variant_options or {})
     with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG
         torch.manual_seed(cfg.seed)
         model = build_model(variant, variant_options, cfg).to(device)
-    spans = span_layers(model)
-    span_params = {id(a.z) for a in spans}
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
+    layers = attention_layers(model)
+    own = [g for a in layers for g in a.param_groups()]  # the variants' own parameters, trained their way
+    apart = {id(p) for g in own for p in g["params"]}
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n and id(p) not in apart]
     no_decay = [p for n, p in model.named_parameters()
-                if not (p.dim() >= 2 and "emb" not in n) and id(p) not in span_params]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups += [{"params": [a.z], "weight_decay": 0.0, "lr_scale": float(a.options.max_span or 1)} for a in spans]
+                if not (p.dim() >= 2 and "emb" not in n) and id(p) not in apart]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}, *own]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98))
     eval_inputs, eval_targets = make_eval_set(cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -227,15 +227,16 @@ def train_mqar(variant: str | type[variants.Attention], variant_options: Mapping
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        for a in spans:
-            a.clamp_spans_()
+        for a in layers:
+            a.after_step()
         loss_sum += float(loss.detach())
         loss_count += 1
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics = {"train_loss": loss_sum / loss_count,
                        **evaluate(model, eval_inputs, eval_targets, cfg.batch_size)}
-            if spans:
-                metrics.update(span_penalty=float(span_penalty(model, cfg).detach()), **span_metrics(model))
+            extra = layer_metrics(model)
+            if extra:
+                metrics.update(span_penalty=float(span_penalty(model, cfg).detach()), **extra)
             history.append({"step": step, **metrics})
             if log is not None:
                 log(step, metrics)
@@ -252,5 +253,5 @@ def train_mqar(variant: str | type[variants.Attention], variant_options: Mapping
     }
 
 
-__all__ = ["MQARConfig", "GPU_PRESET", "PRESETS", "lr_at", "build_model", "span_layers", "span_penalty",
-           "span_metrics", "make_eval_set", "evaluate", "train_mqar"]
+__all__ = ["MQARConfig", "GPU_PRESET", "PRESETS", "lr_at", "build_model", "attention_layers", "span_penalty",
+           "layer_metrics", "make_eval_set", "evaluate", "train_mqar"]
