@@ -120,14 +120,11 @@ def judge_keys(name: str, job: list[str]) -> None:
     harness.config for the config's keys, the variant's Options for ``variant.*``. Returns when they
     find nothing wrong (Hydra's own message then stands)."""
     from hydra import compose
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
-    groups = GlobalHydra.instance().config_loader().list_groups("")
-
-    def plain(override: str) -> bool:  # key=value of a key, not a group choice, an add or delete, or Hydra's
-        key = override.split("=", 1)[0].strip()
-        return not (key[:1] in "+~" or "@" in key or "/" in key or key in groups or key.startswith("hydra."))
+    def plain(override: str) -> bool:  # key=value: not a group choice, an add or delete, or Hydra's own
+        key = key_of(override)
+        return not (key[:1] in "+~" or "@" in key or is_group(key) or key.startswith("hydra."))
 
     try:
         cfg = compose(config_name=name, overrides=[f"++{o}" if plain(o) else o for o in job])
@@ -161,15 +158,23 @@ def sweep_jobs(params, overrides: list[str]) -> list[list[str]]:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    loader = GlobalHydra.instance().config_loader()
-    groups = loader.list_groups("")
-    parsed = OverridesParser.create(config_loader=loader).parse_overrides(
+    parsed = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader()).parse_overrides(
         [f"{k}={v}" for k, v in params.items()] + overrides)
     jobs: dict[tuple[str, ...], list[str]] = {}
     for job in BasicSweeper.split_arguments(parsed, None)[0]:
-        keys = [o.split("=", 1)[0] for o in job]
-        jobs.setdefault(tuple(o if k in groups or "/" in k else k for o, k in zip(job, keys)), job)
+        jobs.setdefault(tuple(o if is_group(key_of(o)) else key_of(o) for o in job), job)
     return list(jobs.values())
+
+
+def key_of(override: str) -> str:
+    return override.split("=", 1)[0].strip()
+
+
+def is_group(key: str) -> bool:
+    """``key`` names a config group (variant, hydra/launcher), whose value is a choice of config file."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    return "/" in key or key in GlobalHydra.instance().config_loader().list_groups("")
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
