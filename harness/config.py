@@ -257,7 +257,7 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
         memory_budget_gb=None if budget is None else float(budget),
         output_dir=output_dir,
         measure=_measure(cfg.get("measure")),
-        inputs=_choice("inputs", cfg.get("inputs", "gaussian"), INPUT_KINDS),
+        inputs=one_of("inputs", cfg.get("inputs", "gaussian"), INPUT_KINDS),
         fidelity=_fidelity(cfg.get("fidelity")),
         task=_task(cfg.get("task")),
         logger=_logger(cfg.get("logger")),
@@ -299,10 +299,33 @@ def _retry(x: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(values))
 
 
-def _choice(name: str, x: Any, allowed: tuple[str, ...]) -> str:
+def one_of(name: str, x: Any, allowed: tuple[str, ...]) -> str:
+    """``x`` when it is one of ``allowed``; else the one line naming it and them (a config group's choice
+    too: ``unknown variant 'nope'; allowed: ...``)."""
     if x not in allowed:
         raise ConfigError(f"unknown {name} {x!r}; allowed: {', '.join(allowed)}")
     return x
+
+
+def check_output_dir(path: str | Path) -> None:
+    """Refuses an output directory results could not be written to (Hydra would create it with a
+    traceback). Tried for real: a file is created and removed in the nearest existing ancestor, since
+    permissions alone do not tell (root ignores them; a read-only filesystem refuses everyone)."""
+    import os
+    import tempfile
+
+    path = Path(path).absolute()
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"cannot write results to {path}: {ancestor} is a file, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=ancestor, prefix=".harness-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"cannot write results to {path}: {ancestor} is not writable ({e.strerror or e})") from None
 
 
 def variant_names() -> list[str]:

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from harness import run as runmod
 from harness.memory import cpu_peak_bytes
 from harness.results import FIELDS, fit_exponents, read_jsonl, series_key
-from harness.config import ConfigError
+from harness.config import ConfigError, variant_names
 from harness.run import run, validate
 from variants import VariantError
 
@@ -111,6 +111,45 @@ def test_bad_input_is_one_line_no_traceback_no_results(tmp_path):
         for word in words:
             assert word in lines[0], (args, word, lines[0])
         assert rows_of(out) == [], args
+
+
+# What Hydra itself refuses (several lines and a hint, or a traceback), said in one line by what owns the
+# problem: the group's choices, harness.config's keys, the variant's Options. Exact lines: each names the
+# problem and lists what is allowed.
+HYDRA_REFUSALS = [
+    (["variant=nope"], f"unknown variant 'nope'; allowed: {', '.join(variant_names())}"),
+    (["-m", "variant=full,nope"], f"unknown variant 'nope'; allowed: {', '.join(variant_names())}"),  # no job ran
+    (["-m", "sweep=cpu_small", "task=mqar,nope"], "unknown task 'nope'; allowed: mqar, mqar_gpu, none"),
+    (["hydra/launcher=nope"], "unknown hydra/launcher 'nope'; allowed: basic, joblib, local_parallel, slurm, "
+                              "submitit_local, submitit_slurm"),
+    (["measure.repeat=3"], "unknown measure option 'repeat'; allowed: passes, warmup_iters, min_run_time, "
+                           "min_samples, max_run_time, timer, memory, param_grads, max_rel_iqr, max_other_cores, "
+                           "on_noise, max_tries"),
+    (["variant=sliding_window", "variant.windw=3"],
+     "sliding_window: unknown option 'windw'; allowed: window, dilation, global_tokens, backend"),
+    (["-m", "variant=sliding_window,full", "variant.window=3"], "full: unknown option 'window'; allowed: backend"),
+    # An option the variant has but its YAML does not: Hydra's own hint, in one line.
+    (["variant._target_=variants.SlidingWindow", "variant.backend=dense", "variant.window=3"],
+     "Could not override 'variant.window'. To append to your config use +variant.window=3"),
+    (["-m", "variant=full", "--cfg", "job"], "--multirun and --cfg cannot be given together; allowed: one of --run, "
+                                             "--multirun (-m), --cfg (-c), --info (-i), --shell-completion (-sc) "
+                                             "(one job's config: --cfg job, no -m)"),
+]
+
+
+def test_hydra_refusals_are_one_line_exit_2_nothing_written(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    procs = []
+    for i, (args, _) in enumerate(HYDRA_REFUSALS):
+        cwd = tmp_path / str(i)  # Hydra's default output and sweep directories are relative to it
+        cwd.mkdir()
+        procs.append((cwd, subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=cwd, env=env,
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    for (args, want), (cwd, proc) in zip(HYDRA_REFUSALS, procs):
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (args, output)
+        assert output.splitlines() == [f"error: {want}"], args
+        assert list(cwd.iterdir()) == [], args
 
 
 def test_bad_input_in_process_raises_before_writing(tmp_path):
