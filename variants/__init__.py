@@ -1,5 +1,8 @@
-"""Attention variants behind one interface: ``attn(q, k, v, causal=False)`` on (B, H, N, D); ring and
-ulysses split the sequence over the ranks of a process group (variants/seqpar.py).
+"""What each attention variant computes, and nothing about measuring it: one file per variant behind
+one interface (base.py: ``attn(q, k, v, causal=False)`` on (B, H, N, D), the float64 reference and the
+facts the harness reads), masks.py (the mask predicates and the one causal rule), blocksparse.py (the
+engine of the mask-defined variants), flex.py and xformers_backend.py (GPU kernels); ring and ulysses
+split the sequence over the ranks of a process group (seqpar.py).
 
     >>> import variants
     >>> attn = variants.build("sliding_window", window=64)
