@@ -347,11 +347,46 @@ def test_analytic_memory_follows_causal():
         for H, N in ((1, 512), (4, 4096)):
             bidir, causal = (attn.memory_bytes(1, H, N, 64, 4, causal=c) for c in (False, True))
             skipped = attn.executed_pairs(N, True) < attn.executed_pairs(N, False)
-            if skipped and H * attn.executed_pairs(N, False) <= engine.TILE_ELEMENTS:
+            kept = getattr(attn, "save_probabilities", False)  # sliding_window keeps every probability tile
+            if skipped and (kept or H * attn.executed_pairs(N, False) <= engine.TILE_ELEMENTS):
                 assert causal < bidir, name  # the engine's tiles hold every computed pair: fewer when causal
             else:  # dense paths compute every score; the engine's tiles are full either way (O(N·D) + a tile)
                 assert causal == bidir, name
             assert skipped == (attn.backend == "blocksparse"), name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name, options", [("sparse", {"pattern": "bigbird", "block_size": 16, "random_blocks": 1}),
+                                           ("sliding_window", {"window": 24, "global_tokens": 3}),
+                                           ("blockwise", {"mode": "exact", "block_size": 16})])
+def test_engine_saved_probabilities_equal_recomputed(name, options, causal):
+    """The engine's two backwards (probability tiles kept from the forward, or recomputed) give the same
+    gradients, against the float64 reference too, on a plan with shared, gathered, masked and ragged tiles;
+    a second backward through a retained graph reads the kept tiles unchanged."""
+    attn = variants.build(name, **options)
+    N = 203
+    plan, scale = attn.plan(N, causal), attn.scale(32)
+    q, k, v = qkv(2, 3, N, 32, dtype=torch.float32, seed=5)
+    dout = torch.randn_like(q)
+    grads = {}
+    for save in (False, True):
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = engine.block_sparse_attention(*x, plan, scale, save_probs=save)
+        grads[save] = torch.autograd.grad(out, x, dout, retain_graph=True)
+        again = torch.autograd.grad(out, x, dout)
+        for a, b in zip(grads[save], again):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(attn.reference(*x, causal=causal), x, dout.double())
+    for a, r in zip(grads[True], ref):
+        torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-5)
+    memory = {}
+    for save in (False, True):  # the analytic memory counts the kept tiles (float32)
+        attn.save_probabilities = save
+        memory[save] = attn.memory_bytes(2, 3, N, 32, 4, causal)
+    assert memory[True] - memory[False] == 4 * 2 * 3 * attn.executed_pairs(N, causal)
 
 
 def test_shipped_yaml_defaults_are_the_class_defaults():

@@ -12,7 +12,8 @@ algorithm over the allowed blocks, vectorised over query blocks (no Python loop 
   (b × b) patterns (a band has a handful), so no mask is rebuilt per call.
 - The forward keeps a running max and sum per row (online softmax) and saves only the output and the
   log-sum-exp; the backward recomputes each tile's probabilities from them (FlashAttention-2's
-  backward). A tile is at most ``TILE_ELEMENTS`` scores (query rows are split to fit), so peak memory is
+  backward). A variant whose rows see a bounded number of keys (a band) may keep the probability tiles
+  instead (``save_probabilities``): memory O(N·band), the backward spared the recomputation. A tile is at most ``TILE_ELEMENTS`` scores (query rows are split to fit), so peak memory is
   O(N·D) plus a few tiles, forward and backward, whatever the number of key blocks per row; time
   follows the computed blocks.
 
@@ -24,6 +25,7 @@ row's slot list long, so the leading ``dense_rows`` query blocks are planned as 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -173,8 +175,11 @@ class BlockSparseAttention(torch.autograd.Function):
     """softmax over the plan's allowed pairs, FlashAttention-style: O(N·D) saved, tiles recomputed."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float, save_probs: bool) -> Tensor:
         B, H, N, D = q.shape
+        # save_probs: keep each tile's probabilities (under the max of their tile) for the backward instead
+        # of recomputing them: O(computed pairs) memory, worth it only where that is O(N·window).
+        saved: list[tuple[Tensor, Tensor]] | None = [] if save_probs and any(ctx.needs_input_grad[:3]) else None
         acc = torch.promote_types(q.dtype, torch.float32)  # half inputs accumulate in float32
         qb, kb, vb = _blocks(q, plan.block_size, acc, scale), _blocks(k, plan.block_size, acc), _blocks(v, plan.block_size, acc)
         chunks, patterns = plan.on(q.device)
@@ -199,11 +204,13 @@ class BlockSparseAttention(torch.autograd.Function):
                 l[:, :, p0:p1] = l[:, :, p0:p1] * alpha + p.sum(dim=-1, keepdim=True)
                 o[:, :, p0:p1] = o[:, :, p0:p1] * alpha + pv
             m[:, :, p0:p1] = m_new
+            if saved is not None:
+                saved.append((p, m_new))
         o /= l
         lse = m + l.log()  # (B, H, nb, b, 1)
         out = o.flatten(2, 3)[:, :, :N].to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.plan, ctx.scale, ctx.probs = plan, scale, saved
         return out if out.is_contiguous() else out.contiguous()
 
     @staticmethod
@@ -216,8 +223,13 @@ class BlockSparseAttention(torch.autograd.Function):
         delta = (dob * _blocks(out, b, acc)).sum(dim=-1, keepdim=True)  # (B, H, nb, b, 1) rowsum(dO ∘ O)
         chunks, patterns = plan.on(q.device)
         dq, dk, dv = torch.zeros_like(qb), torch.zeros_like(kb), torch.zeros_like(vb)
+        probs = iter(ctx.probs) if ctx.probs is not None else None
         for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb):
-            p = _scores(qb, kc, ch, p0, p1, patterns).sub_(lse[:, :, p0:p1]).exp_()  # recomputed
+            if probs is None:  # recomputed
+                p = _scores(qb, kc, ch, p0, p1, patterns).sub_(lse[:, :, p0:p1]).exp_()
+            else:  # saved under its tile's max: P = exp(s − m) · exp(m − lse)
+                p_tile, m_tile = next(probs)
+                p = p_tile * (m_tile - lse[:, :, p0:p1]).exp_()
             do = dob[:, :, p0:p1]  # (B, H, r, b, D)
             _add_keys(dv, ch, p0, _mul_t(p, do, ch.shared))  # dV = Pᵀ dO
             ds = _mul_kt(do, vc).sub_(delta[:, :, p0:p1]).mul_(p)  # dS = P ∘ (dO Vᵀ − Δ)
@@ -226,7 +238,7 @@ class BlockSparseAttention(torch.autograd.Function):
             _add_keys(dk, ch, p0, _mul_t(ds, qb[:, :, p0:p1], ch.shared))  # dK = dSᵀ (Q·scale)
         dq *= scale
         grads = (t.flatten(2, 3)[:, :, :N].to(x.dtype) for t, x in ((dq, q), (dk, k), (dv, v)))
-        return (*(g if g.is_contiguous() else g.contiguous() for g in grads), None, None)
+        return (*(g if g.is_contiguous() else g.contiguous() for g in grads), None, None, None)
 
 
 def _blocks(t: Tensor, b: int, dtype: torch.dtype, scale: float | None = None) -> Tensor:
@@ -310,9 +322,11 @@ def _add_keys(grad: Tensor, ch: Chunk, p0: int, part: Tensor) -> None:
     grad.index_add_(2, blocks, part)
 
 
-def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Tensor:
-    """(B, H, N, D) attention over the plan's allowed pairs."""
-    return BlockSparseAttention.apply(q, k, v, plan, scale)
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float,
+                           save_probs: bool = False) -> Tensor:
+    """(B, H, N, D) attention over the plan's allowed pairs; ``save_probs``: the backward reads the
+    forward's probability tiles instead of recomputing them (memory O(computed pairs))."""
+    return BlockSparseAttention.apply(q, k, v, plan, scale, save_probs)
 
 
 class MaskedAttention(Attention):
@@ -325,6 +339,9 @@ class MaskedAttention(Attention):
 
     # flex: FlexAttention from the element predicate (GPU: it has no CPU backward; see flex.py).
     backends = {"blocksparse": False, "dense": False, "flex": True}
+    # The engine keeps the forward's probability tiles for the backward (no recomputation) when a variant
+    # says so: only where the keys per row are bounded whatever N (a band), so that they cost O(N·window).
+    save_probabilities: ClassVar[bool] = False
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
@@ -388,9 +405,11 @@ class MaskedAttention(Attention):
         # O(N·D): output, log-sum-exp and the accumulators (q·scale, o; dq, dk, dv, padded dO), plus the
         # backward's live tiles (probabilities and their gradient, gathered keys, values and their
         # gradients), each at most TILE_ELEMENTS scores and never more than the computed pairs.
-        tile = min(TILE_ELEMENTS, B * H * self.executed_pairs(N, causal))
+        computed = B * H * self.executed_pairs(N, causal)
+        tile = min(TILE_ELEMENTS, computed)
         gathered = tile * D // self.engine_block_size(N)
-        return 4 * (2 * tile + 3 * gathered) + element_size * B * H * 8 * N * D
+        saved = 4 * computed if self.save_probabilities else 0  # the probability tiles, float32
+        return 4 * (2 * tile + 3 * gathered) + saved + element_size * B * H * 8 * N * D
 
     def block_density(self, seq_len: int, causal: bool = False) -> float:
         """Allowed key blocks over all nb² blocks (the block-sparse layout's density)."""
@@ -405,4 +424,4 @@ class MaskedAttention(Attention):
             from .flex import flex_forward
 
             return flex_forward(self, q, k, v, causal)
-        return block_sparse_attention(q, k, v, self.plan(N, causal), scale)
+        return block_sparse_attention(q, k, v, self.plan(N, causal), scale, self.save_probabilities)

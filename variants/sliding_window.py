@@ -44,6 +44,10 @@ class SlidingWindow(MaskedAttention):
     name = "sliding_window"
     Options = SlidingWindowOptions
     backends = {**MaskedAttention.backends, "xformers": True}
+    # Each row computes at most the band's 2w·d + 1 keys (global rows: N, for g of them), so the engine
+    # keeps the probability tiles for the backward, O(N·(w·d + g)) as Longformer's own memory, instead of
+    # recomputing them: one matmul of five and the mask and exp passes spared in the backward.
+    save_probabilities = True
 
     def backend_names(self) -> list[str]:
         # xformers' local bias is a plain band: offered only where the pattern is one.
