@@ -13,6 +13,9 @@ and the quietest kept. Workload: B=1, H=4, D=64, float32, non-causal.
 Pairs (ours / peer):
   sliding_window  sliding_window w=256 / lucidrains local-attention (window 256, one block back and
                   forward, exact window)
+  longformer      sliding_window w=256 / Hugging Face LongformerSelfAttention (attention_window 512,
+                  no global tokens), its q/k/v projections replaced by the given q, k, v; N a multiple
+                  of 512, as the layer requires
   blockwise_exact blockwise exact b=128 / torch SDPA (no mask)
   sparse_fixed    sparse fixed (b=64, L=4, c=1) / torch SDPA with the same boolean mask
   sparse_bigbird  sparse bigbird (b=64, w=3, g=1, r=2) / torch SDPA with the same boolean mask
@@ -60,6 +63,38 @@ def sliding_window(N: int) -> tuple[Fn, Fn]:
     return variants.build("sliding_window", window=256), peer
 
 
+class Given(torch.nn.Module):
+    """Stands in for one of a layer's projections: returns the tensor it was handed (the attention alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.value
+
+
+def longformer(N: int) -> tuple[Fn, Fn]:
+    from transformers import LongformerConfig
+    from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+
+    # attention_window 512 is Longformer's two-sided window: 256 keys each side, our window=256.
+    config = LongformerConfig(hidden_size=H * D, num_attention_heads=H, attention_window=[512],
+                              attention_probs_dropout_prob=0.0, num_hidden_layers=1)
+    peer = LongformerSelfAttention(config, layer_id=0).eval()
+    peer.query, peer.key, peer.value = Given(), Given(), Given()  # q, k, v given, not projected
+    local = torch.zeros(B, N)  # Longformer's mask: 0 = local attention for every position, no global
+
+    def peer_fn(q, k, v):  # (B, H, N, D) -> the layer's (N, B, H·D), and its (B, N, H·D) output back
+        for proj, t in ((peer.query, q), (peer.key, k), (peer.value, v)):
+            proj.value = t.permute(2, 0, 1, 3).flatten(2)
+        out = peer(torch.empty(B, N, H * D), attention_mask=local, is_index_masked=local < 0,
+                   is_index_global_attn=local > 0, is_global_attn=False)[0]
+        return out.unflatten(2, (H, D)).transpose(1, 2)
+
+    return variants.build("sliding_window", window=256), peer_fn
+
+
 def sdpa_masked(name: str, **options) -> Callable[[int], tuple[Fn, Fn]]:
     def make(N: int) -> tuple[Fn, Fn]:
         ours = variants.build(name, **options)
@@ -94,6 +129,7 @@ def linear(N: int) -> tuple[Fn, Fn]:
 PAIRS: dict[str, tuple[Callable[[int], tuple[Fn, Fn]], str | None, str]] = {
     # name: (builder, module the peer needs or None, peer label)
     "sliding_window": (sliding_window, "local_attention", "local-attention"),
+    "longformer": (longformer, "transformers", "HF Longformer"),
     "blockwise_exact": (blockwise_exact, None, "SDPA"),
     "sparse_fixed": (sdpa_masked("sparse", pattern="fixed"), None, "SDPA + mask"),
     "sparse_bigbird": (sdpa_masked("sparse", pattern="bigbird"), None, "SDPA + mask"),

@@ -16,8 +16,8 @@ from .conftest import ROOT
 SCRIPT = ROOT / "scripts" / "bench_peers.py"
 
 
-def run(tmp_path, pairs):
-    cmd = [sys.executable, str(SCRIPT), "--seq-lens", "256", "--min-run-time", "0.01", "--retries", "0",
+def run(tmp_path, pairs, seq_lens=("256",)):
+    cmd = [sys.executable, str(SCRIPT), "--seq-lens", *seq_lens, "--min-run-time", "0.01", "--retries", "0",
            "--out", str(tmp_path), "--only", *pairs]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -46,6 +46,15 @@ def test_package_peers(tmp_path):
     pairs = ["sliding_window", "linear"]
     res, _ = run(tmp_path, pairs)
     check(res["rows"], pairs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason='peers not installed: pip install -e ".[peers]"')
+def test_longformer_peer(tmp_path):
+    """Hugging Face's Longformer layer, given our q, k, v, computes sliding_window w=256 (N: a multiple
+    of its two-sided window, 512)."""
+    res, _ = run(tmp_path, ["longformer"], seq_lens=["512"])
+    check(res["rows"], ["longformer"])
 
 
 def test_missing_peer_is_one_line(tmp_path):
