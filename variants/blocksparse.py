@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,9 @@ TILE_KEYS = 128  # keys per chunk (rounded to whole blocks): small tiles stay in
 TILE_ELEMENTS = 1 << 19  # most scores in one tile (B·H·rows·keys); query rows are split to fit
 PATTERN_BATCH = 256  # block pairs whose element masks are evaluated at once when planning (≤ 1M elements for b=64)
 ALLOWED, EMPTY = 0, 1  # pattern ids of a wholly allowed and a wholly masked block pair
+# Scores are kept in base 2 (log2(e) folded into the query scale, as FlashAttention-3 does): exp2 is one
+# multiply-free polynomial where exp is a range reduction too, ~2.5x faster per element in torch on CPU.
+LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -181,21 +186,21 @@ class BlockSparseAttention(torch.autograd.Function):
         # of recomputing them: O(computed pairs) memory, worth it only where that is O(N·window).
         saved: list[tuple[Tensor, Tensor]] | None = [] if save_probs and any(ctx.needs_input_grad[:3]) else None
         acc = torch.promote_types(q.dtype, torch.float32)  # half inputs accumulate in float32
-        qb, kb, vb = _blocks(q, plan.block_size, acc, scale), _blocks(k, plan.block_size, acc), _blocks(v, plan.block_size, acc)
+        qb, kb, vb = _blocks(q, plan.block_size, acc, scale * LOG2E), _blocks(k, plan.block_size, acc), _blocks(v, plan.block_size, acc)
         chunks, patterns = plan.on(q.device)
         o = torch.zeros_like(qb)  # (B, H, nb, b, D) unnormalised output
-        m = torch.full(qb.shape[:-1] + (1,), torch.finfo(acc).min, dtype=acc, device=q.device)  # running max
-        l = torch.zeros_like(m)  # running sum of exp(s - m)
+        m = torch.full(qb.shape[:-1] + (1,), torch.finfo(acc).min, dtype=acc, device=q.device)  # running max (base 2)
+        l = torch.zeros_like(m)  # running sum of 2^(s - m)
         for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb):
-            s = _scores(qb, kc, ch, p0, p1, patterns)  # (B, H, r, b, C)
+            s = _scores(qb, kc, ch, p0, p1, patterns)  # (B, H, r, b, C), log2(e)·q·k/√D
             m_tile = s.amax(dim=-1, keepdim=True)
             if ch.first:
                 m_new = m_tile
             else:
                 m_old = m[:, :, p0:p1]
                 m_new = torch.maximum(m_old, m_tile)
-                alpha = (m_old - m_new).exp_()  # rescales what was summed under the old max
-            p = s.sub_(m_new).exp_()
+                alpha = (m_old - m_new).exp2_()  # rescales what was summed under the old max
+            p = s.sub_(m_new).exp2_()
             pv = _mul(p, vc)  # (B, H, r, b, D)
             if ch.first:
                 l[:, :, p0:p1] = p.sum(dim=-1, keepdim=True)
@@ -207,7 +212,7 @@ class BlockSparseAttention(torch.autograd.Function):
             if saved is not None:
                 saved.append((p, m_new))
         o /= l
-        lse = m + l.log()  # (B, H, nb, b, 1)
+        lse = m + l.log2()  # (B, H, nb, b, 1), base 2
         out = o.flatten(2, 3)[:, :, :N].to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale, ctx.probs = plan, scale, saved
@@ -218,7 +223,7 @@ class BlockSparseAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         N, b, acc = q.shape[-2], plan.block_size, lse.dtype
-        qb, kb, vb = _blocks(q, b, acc, scale), _blocks(k, b, acc), _blocks(v, b, acc)
+        qb, kb, vb = _blocks(q, b, acc, scale * LOG2E), _blocks(k, b, acc), _blocks(v, b, acc)
         dob = _blocks(dout, b, acc)
         delta = (dob * _blocks(out, b, acc)).sum(dim=-1, keepdim=True)  # (B, H, nb, b, 1) rowsum(dO ∘ O)
         chunks, patterns = plan.on(q.device)
@@ -226,17 +231,18 @@ class BlockSparseAttention(torch.autograd.Function):
         probs = iter(ctx.probs) if ctx.probs is not None else None
         for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb):
             if probs is None:  # recomputed
-                p = _scores(qb, kc, ch, p0, p1, patterns).sub_(lse[:, :, p0:p1]).exp_()
-            else:  # saved under its tile's max: P = exp(s − m) · exp(m − lse)
+                p = _scores(qb, kc, ch, p0, p1, patterns).sub_(lse[:, :, p0:p1]).exp2_()
+            else:  # saved under its tile's max: P = 2^(s − m) · 2^(m − lse)
                 p_tile, m_tile = next(probs)
-                p = p_tile * (m_tile - lse[:, :, p0:p1]).exp_()
+                p = p_tile * (m_tile - lse[:, :, p0:p1]).exp2_()
             do = dob[:, :, p0:p1]  # (B, H, r, b, D)
             _add_keys(dv, ch, p0, _mul_t(p, do, ch.shared))  # dV = Pᵀ dO
             ds = _mul_kt(do, vc).sub_(delta[:, :, p0:p1]).mul_(p)  # dS = P ∘ (dO Vᵀ − Δ)
             del p
             dq[:, :, p0:p1] += _mul(ds, kc)
-            _add_keys(dk, ch, p0, _mul_t(ds, qb[:, :, p0:p1], ch.shared))  # dK = dSᵀ (Q·scale)
+            _add_keys(dk, ch, p0, _mul_t(ds, qb[:, :, p0:p1], ch.shared))  # dK = dSᵀ (Q·scale·log2(e))
         dq *= scale
+        dk /= LOG2E  # dS is the gradient of the natural-base scores: Q·scale is qb / log2(e)
         grads = (t.flatten(2, 3)[:, :, :N].to(x.dtype) for t, x in ((dq, q), (dk, k), (dv, v)))
         return (*(g if g.is_contiguous() else g.contiguous() for g in grads), None, None, None)
 
