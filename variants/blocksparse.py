@@ -13,9 +13,14 @@ algorithm over the allowed blocks, vectorised over query blocks (no Python loop 
 - The forward keeps a running max and sum per row (online softmax) and saves only the output and the
   log-sum-exp; the backward recomputes each tile's probabilities from them (FlashAttention-2's
   backward). A variant whose rows see a bounded number of keys (a band) may keep the probability tiles
-  instead (``save_probabilities``): memory O(N·band), the backward spared the recomputation. A tile is at most ``TILE_ELEMENTS`` scores (query rows are split to fit), so peak memory is
-  O(N·D) plus a few tiles, forward and backward, whatever the number of key blocks per row; time
-  follows the computed blocks.
+  instead (``save_probabilities``): memory O(N·band), the backward spared the recomputation. A tile
+  (its scores and, for a gathered chunk, its copy of the keys and values) is at most ``TILE_ELEMENTS``
+  elements (query rows are split to fit), and no two tiles are alive at once, so peak memory is O(N·D)
+  plus a few tiles, forward and backward, whatever the number of key blocks per row; time follows the
+  computed blocks.
+- Scores are in base 2 (FlashAttention-3's exp2): the softmax scale times log2(e) is folded into each
+  chunk's keys, the queries are used as they are (no scaled copy of Q), and the exponentials are exp2,
+  which torch computes on CPU about 2.6x faster than exp; the gradients are brought back to base e.
 
 Rows with many more blocks than the rest (global query rows of Longformer or BigBird) would make every
 row's slot list long, so the leading ``dense_rows`` query blocks are planned as their own group.
@@ -24,10 +29,9 @@ row's slot list long, so the leading ``dense_rows`` query blocks are planned as 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
-
-import math
 
 import numpy as np
 import torch
@@ -40,12 +44,10 @@ from .masks import Predicate, causal_allowed, causal_blocks, dense_mask, layout_
 
 FUSED_BACKENDS = ("flex", "xformers")  # GPU kernels that tile internally: no gathered blocks in memory
 TILE_KEYS = 128  # keys per chunk (rounded to whole blocks): small tiles stay in cache between passes
-TILE_ELEMENTS = 1 << 19  # most scores in one tile (B·H·rows·keys); query rows are split to fit
+TILE_ELEMENTS = 1 << 19  # most elements in one tile (scores, and gathered keys and values); rows are split to fit
 PATTERN_BATCH = 256  # block pairs whose element masks are evaluated at once when planning (≤ 1M elements for b=64)
 ALLOWED, EMPTY = 0, 1  # pattern ids of a wholly allowed and a wholly masked block pair
-# Scores are kept in base 2 (log2(e) folded into the query scale, as FlashAttention-3 does): exp2 is one
-# multiply-free polynomial where exp is a range reduction too, ~2.5x faster per element in torch on CPU.
-LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)  # scores in base 2: exp2 is ~2.6x cheaper than exp per element in torch on CPU
 
 
 @dataclass(frozen=True)
@@ -186,31 +188,27 @@ class BlockSparseAttention(torch.autograd.Function):
         # of recomputing them: O(computed pairs) memory, worth it only where that is O(N·window).
         saved: list[tuple[Tensor, Tensor]] | None = [] if save_probs and any(ctx.needs_input_grad[:3]) else None
         acc = torch.promote_types(q.dtype, torch.float32)  # half inputs accumulate in float32
-        qb, kb, vb = _blocks(q, plan.block_size, acc, scale * LOG2E), _blocks(k, plan.block_size, acc), _blocks(v, plan.block_size, acc)
+        qb, kb, vb = (_blocks(t, plan.block_size, acc) for t in (q, k, v))  # views unless padded or cast
         chunks, patterns = plan.on(q.device)
         o = torch.zeros_like(qb)  # (B, H, nb, b, D) unnormalised output
         m = torch.full(qb.shape[:-1] + (1,), torch.finfo(acc).min, dtype=acc, device=q.device)  # running max (base 2)
         l = torch.zeros_like(m)  # running sum of 2^(s - m)
-        for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb):
+        for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb, scale * LOG2E):
             s = _scores(qb, kc, ch, p0, p1, patterns)  # (B, H, r, b, C), log2(e)·q·k/√D
             m_tile = s.amax(dim=-1, keepdim=True)
-            if ch.first:
-                m_new = m_tile
-            else:
-                m_old = m[:, :, p0:p1]
-                m_new = torch.maximum(m_old, m_tile)
-                alpha = (m_old - m_new).exp2_()  # rescales what was summed under the old max
+            o_r, l_r, m_r = o[:, :, p0:p1], l[:, :, p0:p1], m[:, :, p0:p1]  # views: updated in place
+            m_new = m_tile if ch.first else torch.maximum(m_r, m_tile)
             p = s.sub_(m_new).exp2_()
-            pv = _mul(p, vc)  # (B, H, r, b, D)
-            if ch.first:
-                l[:, :, p0:p1] = p.sum(dim=-1, keepdim=True)
-                o[:, :, p0:p1] = pv
-            else:
-                l[:, :, p0:p1] = l[:, :, p0:p1] * alpha + p.sum(dim=-1, keepdim=True)
-                o[:, :, p0:p1] = o[:, :, p0:p1] * alpha + pv
-            m[:, :, p0:p1] = m_new
+            if not ch.first:  # rescale what was summed under the old max
+                alpha = (m_r - m_new).exp2_()
+                o_r.mul_(alpha)
+                l_r.mul_(alpha)
+            l_r += p.sum(dim=-1, keepdim=True)
+            _add_mul(o_r, p, vc)  # o += P V
+            m_r.copy_(m_new)
             if saved is not None:
                 saved.append((p, m_new))
+            del s, p, kc, vc  # before the next tile is made: two tiles never coexist
         o /= l
         lse = m + l.log2()  # (B, H, nb, b, 1), base 2
         out = o.flatten(2, 3)[:, :, :N].to(q.dtype)
@@ -223,13 +221,12 @@ class BlockSparseAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         N, b, acc = q.shape[-2], plan.block_size, lse.dtype
-        qb, kb, vb = _blocks(q, b, acc, scale * LOG2E), _blocks(k, b, acc), _blocks(v, b, acc)
-        dob = _blocks(dout, b, acc)
+        qb, kb, vb, dob = (_blocks(t, b, acc) for t in (q, k, v, dout))
         delta = (dob * _blocks(out, b, acc)).sum(dim=-1, keepdim=True)  # (B, H, nb, b, 1) rowsum(dO ∘ O)
         chunks, patterns = plan.on(q.device)
         dq, dk, dv = torch.zeros_like(qb), torch.zeros_like(kb), torch.zeros_like(vb)
         probs = iter(ctx.probs) if ctx.probs is not None else None
-        for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb):
+        for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb, scale * LOG2E):
             if probs is None:  # recomputed
                 p = _scores(qb, kc, ch, p0, p1, patterns).sub_(lse[:, :, p0:p1]).exp2_()
             else:  # saved under its tile's max: P = 2^(s − m) · 2^(m − lse)
@@ -239,45 +236,56 @@ class BlockSparseAttention(torch.autograd.Function):
             _add_keys(dv, ch, p0, _mul_t(p, do, ch.shared))  # dV = Pᵀ dO
             ds = _mul_kt(do, vc).sub_(delta[:, :, p0:p1]).mul_(p)  # dS = P ∘ (dO Vᵀ − Δ)
             del p
-            dq[:, :, p0:p1] += _mul(ds, kc)
-            _add_keys(dk, ch, p0, _mul_t(ds, qb[:, :, p0:p1], ch.shared))  # dK = dSᵀ (Q·scale·log2(e))
-        dq *= scale
-        dk /= LOG2E  # dS is the gradient of the natural-base scores: Q·scale is qb / log2(e)
+            _add_mul(dq[:, :, p0:p1], ds, kc)  # dQ = dS K·scale·log2(e)
+            _add_keys(dk, ch, p0, _mul_t(ds, qb[:, :, p0:p1], ch.shared))  # dK = dSᵀ Q
+            del ds, kc, vc  # before the next tile is made: two tiles never coexist
+        # dS is the gradient of the natural-base scores q·k·scale; the keys above carried scale·log2(e).
+        dq /= LOG2E
+        dk *= scale
         grads = (t.flatten(2, 3)[:, :, :N].to(x.dtype) for t, x in ((dq, q), (dk, k), (dv, v)))
         return (*(g if g.is_contiguous() else g.contiguous() for g in grads), None, None, None)
 
 
-def _blocks(t: Tensor, b: int, dtype: torch.dtype, scale: float | None = None) -> Tensor:
+def _blocks(t: Tensor, b: int, dtype: torch.dtype) -> Tensor:
     """(B, H, N, D) -> (B, H, nb, b, D) in ``dtype``; the ragged last block padded with zeros (its pairs
-    are masked). A view when nothing changes; queries are multiplied by ``scale`` once here."""
+    are masked). A view when nothing changes."""
     pad = -t.shape[-2] % b
-    if scale is not None:
-        t = t.to(dtype) * scale
-    elif t.dtype != dtype:
+    if t.dtype != dtype:
         t = t.to(dtype)
     if pad:
         t = F.pad(t, (0, 0, 0, pad))
     return t.unflatten(2, (-1, b))
 
 
-def _tiles(chunks, qb: Tensor, kb: Tensor, vb: Tensor):
-    """Each chunk's keys and values, split over query blocks so that a tile holds ≤ TILE_ELEMENTS scores.
-    Yields (chunk, p0, p1, keys, values): shared keys (B, H, C, D), gathered ones (B, H, p1 - p0, C, D)."""
+def _tiles(chunks, qb: Tensor, kb: Tensor, vb: Tensor, key_scale: float):
+    """Each chunk's keys (times ``key_scale``) and values, split over query blocks so that a tile holds
+    ≤ TILE_ELEMENTS elements. Yields (chunk, p0, p1, keys, values): shared keys (B, H, C, D), gathered ones
+    (B, H, p1 - p0, C, D). The keys carry the scale, not the queries: a chunk's keys are few (shared) or
+    a copy already (gathered), where scaled queries would be one more (B, H, N, D) tensor."""
     B, H, nb, b, D = qb.shape
     for ch in chunks:
         r0, r1 = ch.rows
         C = ch.keys.shape[-1] * b
-        step = max(1, TILE_ELEMENTS // (B * H * b * C))
+        # A tile: its scores and, where gathered, its own copy of the keys and values (as large as the
+        # scores when D = b); both count against TILE_ELEMENTS.
+        step = max(1, TILE_ELEMENTS // (B * H * C * (b if ch.shared else b + 2 * D)))
         if ch.shared:
             c = len(ch.keys)  # consecutive blocks are a view (decided when planning: no device sync here)
             kc, vc = ((t[:, :, ch.start:ch.start + c] if ch.start is not None else t.index_select(2, ch.keys))
                       .flatten(2, 3) for t in (kb, vb))  # (B, H, C, D)
+            kc = kc * key_scale
         for p0 in range(r0, r1, step):
             p1 = min(p0 + step, r1)
-            if not ch.shared:
-                idx = ch.keys[p0 - r0:p1 - r0]  # (r, c)
-                kc, vc = (t.index_select(2, idx.flatten()).unflatten(2, idx.shape).flatten(3, 4) for t in (kb, vb))
-            yield ch, p0, p1, kc, vc
+            if ch.shared:
+                yield ch, p0, p1, kc, vc
+            else:  # gathered here, held by no name of this frame: freed as soon as the caller drops them
+                yield ch, p0, p1, *_gather(kb, vb, ch.keys[p0 - r0:p1 - r0], key_scale)
+
+
+def _gather(kb: Tensor, vb: Tensor, idx: Tensor, key_scale: float) -> tuple[Tensor, Tensor]:
+    """Key blocks ``idx`` (r, c) of each query block: keys (times ``key_scale``) and values (B, H, r, C, D)."""
+    kc, vc = (t.index_select(2, idx.flatten()).unflatten(2, idx.shape).flatten(3, 4) for t in (kb, vb))
+    return kc.mul_(key_scale), vc
 
 
 def _scores(qb: Tensor, kc: Tensor, ch: Chunk, p0: int, p1: int, patterns: Tensor) -> Tensor:
@@ -301,11 +309,23 @@ def _mul_kt(x: Tensor, kc: Tensor) -> Tensor:
     return x @ kc.transpose(-2, -1)
 
 
-def _mul(p: Tensor, vc: Tensor) -> Tensor:
-    """p (B, H, r, b, C) times values: (B, H, r, b, D)."""
-    if vc.dim() == 4:
-        return (p.flatten(2, 3) @ vc).unflatten(2, p.shape[2:4])
-    return p @ vc
+def _add_mul(out: Tensor, p: Tensor, x: Tensor) -> None:
+    """out += p x: out (B, H, r, b, D), p (B, H, r, b, C), x shared (B, H, C, D) or gathered (B, H, r, C, D).
+    In place (no temporary) where ``out`` is contiguous, i.e. the tile spans every query block: on a
+    strided slice torch splits baddbmm_ into one matmul per batch, which costs more than the temporary."""
+    if not out.is_contiguous():
+        out += _mul(p, x)
+        return
+    rows = out.view(-1, *out.shape[-2:]) if x.dim() == 5 else out.view(-1, out.shape[2] * out.shape[3], out.shape[4])
+    p = p.reshape(rows.shape[0], -1, p.shape[-1])
+    rows.baddbmm_(p, x.reshape(rows.shape[0], *x.shape[-2:]))
+
+
+def _mul(p: Tensor, x: Tensor) -> Tensor:
+    """p (B, H, r, b, C) times keys or values x, shared (B, H, C, D) or gathered (B, H, r, C, D): (B, H, r, b, D)."""
+    if x.dim() == 4:  # shared: one matmul for every row of the tile
+        return (p.flatten(2, 3) @ x).unflatten(2, p.shape[2:4])
+    return p @ x
 
 
 def _mul_t(p: Tensor, x: Tensor, shared: bool) -> Tensor:
@@ -408,9 +428,9 @@ class MaskedAttention(Attention):
             return element_size * B * H * 8 * N * D  # fused kernels: O(N·D), as full's fused backends
         if self.backend == "dense":
             return super().memory_bytes(B, H, N, D, element_size, causal)
-        # O(N·D): output, log-sum-exp and the accumulators (q·scale, o; dq, dk, dv, padded dO), plus the
-        # backward's live tiles (probabilities and their gradient, gathered keys, values and their
-        # gradients), each at most TILE_ELEMENTS scores and never more than the computed pairs.
+        # O(N·D): output, log-sum-exp and the accumulators (o; dq, dk, dv; inputs padded to whole blocks),
+        # plus the backward's live tile (probabilities and their gradient, gathered keys, values and their
+        # gradients), at most TILE_ELEMENTS scores and never more than the computed pairs: an upper bound.
         computed = B * H * self.executed_pairs(N, causal)
         tile = min(TILE_ELEMENTS, computed)
         gathered = tile * D // self.engine_block_size(N)
