@@ -6,7 +6,8 @@ contract's mask, via ``bias.materialize`` (the off-by-one in window sizes is the
 FlexAttention BlockMask built in strips equals ``create_block_mask``; asking for a GPU-only backend on
 CPU is one clear line.
 
-On GPU (``@pytest.mark.gpu``): every GPU backend of every variant, output and gradients, in bf16 and
+On GPU (``@pytest.mark.gpu``): every GPU backend of every variant, and the block-sparse engine (the
+fallback of the mask-defined variants there), output and gradients, in bf16 and
 fp16, causal and not, at N not a multiple of 128, under flash-attention's rule (its tests/test_flash_attn.py):
 the backend's max abs error against the float64 reference is at most twice that of the naive
 implementation in the same dtype, plus a floor of twice the error of rounding the reference itself to
@@ -247,14 +248,15 @@ GPU_CASES = [
 ]
 GPU_LENGTHS = (1000, 1537)  # not multiples of 128 (nor of 64 or 100)
 ERROR_FACTOR = 2.0
+ENGINE = ("blocksparse", "online")  # variants/blocksparse.py: mask-defined variants, blockwise exact
 
 
 def gpu_params():
     for name, o in GPU_CASES:
         attn = variants.build(name, **o)
         for backend in attn.backend_names():
-            if not attn.backends[backend] and backend != "sdpa_math":
-                continue  # CPU backends: tested on CPU against the same reference
+            if not attn.backends[backend] and backend not in ("sdpa_math", *ENGINE):
+                continue  # CPU backends: tested on CPU; the engine is the GPU fallback too
             # FlexAttention compiles per (N, dtype, causal, mask): the second N only where it adds most.
             lengths = GPU_LENGTHS if backend != "flex" or (name, o) == ("sliding_window", {"window": 64}) else (1000,)
             for N in lengths:
