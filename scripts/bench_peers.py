@@ -6,9 +6,11 @@
 Each pair computes one function two ways; per N, both sides run back to back (one interleaved run), their
 outputs are checked equal (float32, 1e-4 of the output's scale) before anything is timed, then each
 side's forward+backward peak memory (harness.memory) and time (harness.measure.time_fn: median and IQR)
-are measured, with the cores other processes kept busy meanwhile. A pair measured while others kept
-more than --max-other-cores busy, or with an IQR over 15% of a median, is measured again (--retries)
-and the quietest kept. Workload: B=1, H=4, D=64, float32, non-causal.
+are measured, with the cores other processes kept busy meanwhile, in --rounds rounds whose order
+alternates (ours first, then the peer first). The row is the round with the median time ratio; a point
+is starred (noisy) when its rounds' ratios differ by more than 10%, others kept more than
+--max-other-cores busy, or an IQR exceeds 15% of its median. Workload: B=1, H=4, D=64, float32,
+non-causal.
 
 Pairs (ours / peer):
   sliding_window  sliding_window w=256 / lucidrains local-attention (window 256, one block back and
@@ -50,6 +52,7 @@ from harness.memory import peak_memory  # noqa: E402
 from harness.results import write_json  # noqa: E402
 
 B, H, D = 1, 4, 64
+MAX_SPREAD = 0.10  # rounds whose time ratios differ by more than this: the point is starred
 SEQ_LENS = [1024, 2048, 4096, 8192, 16384]
 INSTALL = 'pip install -e ".[peers]"'
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -171,12 +174,11 @@ def check_equal(ours: Fn, peer: Fn, q, k, v) -> float:
     return err
 
 
-def noisy(ours: dict, peer: dict, max_other: float) -> bool:
-    return any((s["other_cpu_cores"] or 0) > max_other or (s["iqr_ms"] or 0) > 0.15 * s["fwd_bwd_ms"]
-               for s in (ours, peer))
-
-
-def run_pair(pair: str, N: int, opts: MeasureOptions, retries: int, max_other: float) -> dict:
+def run_pair(pair: str, N: int, opts: MeasureOptions, rounds: int, max_other: float) -> dict:
+    """``rounds`` rounds of both sides back to back, the order alternating (ours first, then the peer
+    first) so that a drift of the machine's speed weighs on both; the row is the round with the median
+    ratio, and every round's ratio is kept. A host's other guests are invisible from inside it: only
+    the rounds' agreement shows that the machine did not change speed under a measurement."""
     make, _, label = PAIRS[pair]
     ours, peer = make(N)
     gen = torch.Generator().manual_seed(N)
@@ -184,21 +186,28 @@ def run_pair(pair: str, N: int, opts: MeasureOptions, retries: int, max_other: f
     for t in (q, k, v):
         t.requires_grad_()
     err = check_equal(ours, peer, q, k, v)
-    best = None
-    for attempt in range(1 + retries):
-        o, p = measure(ours, q, k, v, dout, opts), measure(peer, q, k, v, dout, opts)
-        row = {"pair": pair, "peer": label, "seq_len": N, "max_rel_err": err, "tries": attempt + 1,
-               "ours_side": o, "peer_side": p, "time_ratio": o["fwd_bwd_ms"] / p["fwd_bwd_ms"],
-               "mem_ratio": o["peak_mem_bytes"] / max(1, p["peak_mem_bytes"]), "noisy": noisy(o, p, max_other)}
-        if best is None or (best["noisy"] and disturbance(row) < disturbance(best)):
-            best = row
-        if not row["noisy"]:
-            return row
-    return best
-
-
-def disturbance(row: dict) -> float:
-    return max(s["other_cpu_cores"] or 0 for s in (row["ours_side"], row["peer_side"]))
+    measured = []
+    for r in range(rounds):
+        if r % 2 == 0:
+            o = measure(ours, q, k, v, dout, opts)
+            p = measure(peer, q, k, v, dout, opts)
+        else:
+            p = measure(peer, q, k, v, dout, opts)
+            o = measure(ours, q, k, v, dout, opts)
+        measured.append((o["fwd_bwd_ms"] / p["fwd_bwd_ms"], o, p))
+    ratios = [m[0] for m in measured]
+    ratio, o, p = sorted(measured, key=lambda m: m[0])[(rounds - 1) // 2]
+    sides = [side for m in measured for side in m[1:]]
+    reasons = ([f"rounds' time ratios {min(ratios):.2f}-{max(ratios):.2f} differ by more than {MAX_SPREAD:.0%}"]
+               if max(ratios) > (1 + MAX_SPREAD) * min(ratios) else [])
+    reasons += [f"other processes kept {s['other_cpu_cores']:.2f} cores busy" for s in sides
+                if (s["other_cpu_cores"] or 0) > max_other][:1]
+    reasons += [f"IQR {s['iqr_ms'] / s['fwd_bwd_ms']:.0%} of a median" for s in sides
+                if (s["iqr_ms"] or 0) > 0.15 * s["fwd_bwd_ms"]][:1]
+    return {"pair": pair, "peer": label, "seq_len": N, "max_rel_err": err, "rounds": rounds,
+            "round_time_ratios": ratios, "ours_side": o, "peer_side": p, "time_ratio": ratio,
+            "mem_ratio": o["peak_mem_bytes"] / max(1, p["peak_mem_bytes"]), "noisy": bool(reasons),
+            "noise_reasons": reasons}
 
 
 def table(rows: list[dict], env: dict, args) -> str:
@@ -207,7 +216,7 @@ def table(rows: list[dict], env: dict, args) -> str:
     at = {(r["pair"], r["seq_len"]): r for r in rows}
     head = "| ours / peer | " + " | ".join(f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in ns) + " |"
     lines = ["Ratios ours / peer on the same function (below 1: ours is cheaper); `*` measured while others "
-             "kept cores busy or with a wide spread (after retries).", "", head,
+             "kept cores busy, with a wide spread, or whose rounds disagree by more than 10%.", "", head,
              "|---|" + "---:|" * len(ns)]
     for metric, what in (("time_ratio", "time"), ("mem_ratio", "peak memory")):
         for p in pairs:
@@ -216,15 +225,17 @@ def table(rows: list[dict], env: dict, args) -> str:
                 r = at.get((p, n))
                 cells.append("" if r is None else f"{r[metric]:.2f}" + ("*" if r["noisy"] and metric == "time_ratio" else ""))
             lines.append(f"| {p} / {PAIRS[p][2]} ({what}) | " + " | ".join(cells) + " |")
-    lines += ["", "Absolute: forward+backward ms (median ± IQR) and peak MiB, ours | peer:", "",
-              "| pair | N | ours ms | peer ms | ours MiB | peer MiB | other cores (ours, peer) | tries | max rel err |",
+    lines += ["", "Absolute, the median round: forward+backward ms (median ± IQR) and peak MiB, ours | peer; "
+                  "every round's time ratio:", "",
+              "| pair | N | ours ms | peer ms | ours MiB | peer MiB | other cores (ours, peer) | rounds' ratios | max rel err |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         o, p = r["ours_side"], r["peer_side"]
         lines.append(f"| {r['pair']} | {r['seq_len']} | {o['fwd_bwd_ms']:.1f} ±{o['iqr_ms'] or 0:.1f} | "
                      f"{p['fwd_bwd_ms']:.1f} ±{p['iqr_ms'] or 0:.1f} | {o['peak_mem_bytes'] / 2**20:.1f} | "
                      f"{p['peak_mem_bytes'] / 2**20:.1f} | {o['other_cpu_cores'] or 0:.2f}, "
-                     f"{p['other_cpu_cores'] or 0:.2f} | {r['tries']} | {r['max_rel_err']:.1e} |")
+                     f"{p['other_cpu_cores'] or 0:.2f} | {' '.join(f'{x:.2f}' for x in r['round_time_ratios'])} | "
+                     f"{r['max_rel_err']:.1e} |")
     lines += ["", f"Machine: {env['device_name']}, {env['num_threads']} threads, torch {env['torch_version']}, "
                   f"allocator {env['allocator']}, load average {env['load_avg_1m']:.2f} at the start; "
                   f"timer torch.utils.benchmark blocked_autorange, {args.min_run_time} s per side; "
@@ -237,7 +248,7 @@ def main() -> None:
     ap.add_argument("--seq-lens", type=int, nargs="+", default=SEQ_LENS)
     ap.add_argument("--only", nargs="+", choices=list(PAIRS), default=list(PAIRS))
     ap.add_argument("--min-run-time", type=float, default=0.3, help="seconds of timed calls per side")
-    ap.add_argument("--retries", type=int, default=2, help="re-measurements of a noisy pair")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per pair and N (order alternating); the median is kept")
     ap.add_argument("--max-other-cores", type=float, default=0.25)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu" / "peers")
     args = ap.parse_args()
@@ -253,7 +264,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for N in args.seq_lens:  # interleaved: every pair at one N before the next N
         for pair in pairs:
-            row = run_pair(pair, N, opts, args.retries, args.max_other_cores)
+            row = run_pair(pair, N, opts, args.rounds, args.max_other_cores)
             rows.append(row)
             print(f"{pair:16s} N={N:6d} time {row['time_ratio']:.2f}x  memory {row['mem_ratio']:.2f}x"
                   f"{'  (noisy)' if row['noisy'] else ''}", flush=True)

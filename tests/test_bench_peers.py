@@ -16,8 +16,8 @@ from .conftest import ROOT
 SCRIPT = ROOT / "scripts" / "bench_peers.py"
 
 
-def run(tmp_path, pairs, seq_lens=("256",)):
-    cmd = [sys.executable, str(SCRIPT), "--seq-lens", *seq_lens, "--min-run-time", "0.01", "--retries", "0",
+def run(tmp_path, pairs, seq_lens=("256",), rounds=1):
+    cmd = [sys.executable, str(SCRIPT), "--seq-lens", *seq_lens, "--min-run-time", "0.01", "--rounds", str(rounds),
            "--out", str(tmp_path), "--only", *pairs]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -31,11 +31,14 @@ def check(rows, pairs):
         for side in (r["ours_side"], r["peer_side"]):
             assert side["fwd_bwd_ms"] > 0 and side["peak_mem_bytes"] > 0
         assert r["time_ratio"] == pytest.approx(r["ours_side"]["fwd_bwd_ms"] / r["peer_side"]["fwd_bwd_ms"])
+        ratios = r["round_time_ratios"]
+        assert len(ratios) == r["rounds"] and r["time_ratio"] == sorted(ratios)[(len(ratios) - 1) // 2]
+        assert r["noisy"] == bool(r["noise_reasons"])
 
 
 def test_sdpa_pairs(tmp_path):
     pairs = ["blockwise_exact", "sparse_fixed", "sparse_bigbird"]
-    res, _ = run(tmp_path, pairs)
+    res, _ = run(tmp_path, pairs, rounds=3)
     check(res["rows"], pairs)
     assert "sparse_fixed / SDPA + mask (time)" in (tmp_path / "table.md").read_text()
 
@@ -61,7 +64,7 @@ def test_missing_peer_is_one_line(tmp_path):
     """Without a peer the script says how to install it and measures the rest."""
     code = ("import importlib.util, runpy, sys; real = importlib.util.find_spec; "
             "importlib.util.find_spec = lambda n, *a: None if n == 'local_attention' else real(n, *a); "
-            f"sys.argv = {[str(SCRIPT), '--seq-lens', '256', '--min-run-time', '0.01', '--retries', '0', '--out', str(tmp_path), '--only', 'sliding_window', 'blockwise_exact']!r}; "
+            f"sys.argv = {[str(SCRIPT), '--seq-lens', '256', '--min-run-time', '0.01', '--rounds', '1', '--out', str(tmp_path), '--only', 'sliding_window', 'blockwise_exact']!r}; "
             f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**30)}  # no re-exec
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
