@@ -13,9 +13,9 @@ algorithm over the allowed blocks, vectorised over query blocks (no Python loop 
 - The forward keeps a running max and sum per row (online softmax) and saves only the output and the
   log-sum-exp; the backward recomputes each tile's probabilities from them (FlashAttention-2's
   backward). A variant whose rows see a bounded number of keys (a band) may keep the probability tiles
-  instead (``save_probabilities``): memory O(N·band), the backward spared the recomputation. A tile
-  (its scores and, for a gathered chunk, its copy of the keys and values) is at most ``TILE_ELEMENTS``
-  elements (query rows are split to fit), and no two tiles are alive at once, so peak memory is O(N·D)
+  instead (``save_probabilities``): memory O(N·band), the backward spared the recomputation. A tile's
+  scores hold at most ``TILE_ELEMENTS`` elements, and so do a gathered chunk's copies of its keys and
+  values together (query rows are split to fit); no two tiles are alive at once. Peak memory is O(N·D)
   plus a few tiles, forward and backward, whatever the number of key blocks per row; time follows the
   computed blocks.
 - Scores are in base 2 (FlashAttention-3's exp2): the softmax scale times log2(e) is folded into each
@@ -44,7 +44,7 @@ from .masks import Predicate, causal_allowed, causal_blocks, dense_mask, layout_
 
 FUSED_BACKENDS = ("flex", "xformers")  # GPU kernels that tile internally: no gathered blocks in memory
 TILE_KEYS = 128  # keys per chunk (rounded to whole blocks): small tiles stay in cache between passes
-TILE_ELEMENTS = 1 << 19  # most elements in one tile (scores, and gathered keys and values); rows are split to fit
+TILE_ELEMENTS = 1 << 19  # most elements in a tile's scores, and in its gathered keys and values together
 PATTERN_BATCH = 256  # block pairs whose element masks are evaluated at once when planning (≤ 1M elements for b=64)
 ALLOWED, EMPTY = 0, 1  # pattern ids of a wholly allowed and a wholly masked block pair
 LOG2E = math.log2(math.e)  # scores in base 2: exp2 is ~2.6x cheaper than exp per element in torch on CPU
@@ -258,17 +258,18 @@ def _blocks(t: Tensor, b: int, dtype: torch.dtype) -> Tensor:
 
 
 def _tiles(chunks, qb: Tensor, kb: Tensor, vb: Tensor, key_scale: float):
-    """Each chunk's keys (times ``key_scale``) and values, split over query blocks so that a tile holds
-    ≤ TILE_ELEMENTS elements. Yields (chunk, p0, p1, keys, values): shared keys (B, H, C, D), gathered ones
-    (B, H, p1 - p0, C, D). The keys carry the scale, not the queries: a chunk's keys are few (shared) or
-    a copy already (gathered), where scaled queries would be one more (B, H, N, D) tensor."""
+    """Each chunk's keys (times ``key_scale``) and values, split over query blocks so that a tile's scores,
+    and its gathered keys and values together, hold at most TILE_ELEMENTS elements. Yields (chunk, p0, p1,
+    keys, values): shared keys (B, H, C, D), gathered ones (B, H, p1 - p0, C, D). The keys carry the
+    scale, not the queries: a chunk's keys are few (shared) or a copy already (gathered), where scaled
+    queries would be one more (B, H, N, D) tensor."""
     B, H, nb, b, D = qb.shape
     for ch in chunks:
         r0, r1 = ch.rows
         C = ch.keys.shape[-1] * b
-        # A tile: its scores and, where gathered, its own copy of the keys and values (as large as the
-        # scores when D = b); both count against TILE_ELEMENTS.
-        step = max(1, TILE_ELEMENTS // (B * H * C * (b if ch.shared else b + 2 * D)))
+        # At most TILE_ELEMENTS in the scores (r·b·C per batch and head) and, where gathered, in the copies
+        # of the keys and values together (2·r·C·D: twice the scores for D = b).
+        step = max(1, TILE_ELEMENTS // (B * H * C * (b if ch.shared else max(b, 2 * D))))
         if ch.shared:
             c = len(ch.keys)  # consecutive blocks are a view (decided when planning: no device sync here)
             kc, vc = ((t[:, :, ch.start:ch.start + c] if ch.start is not None else t.index_select(2, ch.keys))
