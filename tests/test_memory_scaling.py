@@ -65,3 +65,27 @@ def test_sparse_fixed_memory_follows_n_not_its_blocks_per_row(small_tiles):
     ratio = fwd_bwd_peak(attn, 2 * N) / fwd_bwd_peak(attn, N)
     pairs = attn.executed_pairs(2 * N) / attn.executed_pairs(N)
     assert pairs > 2.5 and 1.6 <= ratio <= 2.4, (pairs, ratio)
+
+
+@pytest.mark.parametrize("name,options,tiles", [
+    # shared keys: one tile's probabilities and their gradient, 2 × TILE_ELEMENTS
+    ("blockwise", {"mode": "exact", "block_size": 128}, 2.0),
+    # gathered keys (b = D = 64): scores of TILE/2 (probabilities and gradient), the keys and values
+    # copied (TILE together) and one key-gradient part (TILE/2)
+    ("sparse", {"pattern": "fixed"}, 2.5),
+], ids=["blockwise_exact", "sparse_fixed"])
+def test_one_tile_alive_at_a_time(name, options, tiles):
+    """Peak extra memory of forward+backward at B=1, H=4, N=1024, D=64 (one tile spans every query
+    block): the output and the three gradients (4·B·H·N·D floats) plus one tile, within 5%. A second
+    tile kept alive while the next is made, or a scaled copy of Q, would pass the bound."""
+    attn, (b, h, n, d) = variants.build(name, **options), (1, 4, 1024, 64)
+    q, k, v = qkv(b, h, n, d, dtype=torch.float32)
+    grad = torch.randn(b, h, n, d)
+
+    def step():
+        attn(q, k, v).backward(grad)
+
+    step()
+    q.grad = k.grad = v.grad = None
+    bound = 4 * (4 * b * h * n * d + tiles * engine.TILE_ELEMENTS)
+    assert cpu_peak_bytes(step) <= 1.05 * bound
