@@ -252,6 +252,8 @@ def main() -> None:
     ap.add_argument("--max-other-cores", type=float, default=0.25)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu" / "peers")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):  # as scripts/bench_cpu.py: see there
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
     missing = [p for p in args.only if not available(p)]

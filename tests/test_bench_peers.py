@@ -71,3 +71,10 @@ def test_missing_peer_is_one_line(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'skipping sliding_window: peers not installed (pip install -e ".[peers]")' in done.stderr
     assert [r["pair"] for r in json.loads((tmp_path / "results.json").read_text())["rows"]] == ["blockwise_exact"]
+
+
+def test_zero_rounds_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--rounds must be at least 1, got 0" in done.stderr.splitlines()[-1]
+    assert not (tmp_path / "results.json").exists()
