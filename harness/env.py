@@ -15,6 +15,7 @@ import socket
 import subprocess
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,7 @@ class Environment:
     gpu_clocks: str | None  # nvidia-smi's current SM/memory clocks, where it answers
     load_avg_1m: float | None  # the machine's load when the sweep started: others' work skews timings
     allocator: str  # CPU memory allocator (LD_PRELOAD): glibc page-faults every temporary over 32 MiB
+    code_version: str | None  # the harness's git commit, "+dirty" with local changes (see code_version)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -85,7 +87,35 @@ def collect(device: torch.device) -> Environment:
         gpu_clocks=gpu_clocks() if cuda else None,
         load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         allocator=allocator(),
+        code_version=code_version(),
     )
+
+
+ROOT = Path(__file__).resolve().parent.parent
+# What decides a number: results written into the checkout (results/) do not make the code dirty.
+CODE_PATHS = ("harness", "variants", "conf", "hydra_plugins", "scripts", "pyproject.toml")
+CODE_VERSION_VAR = "HARNESS_CODE_VERSION"
+
+
+def code_version() -> str | None:
+    """Which code measured: the commit of the checkout the harness runs from (12 hex digits), with
+    "+dirty" when its code differs from that commit (changed or new files under CODE_PATHS). A copy
+    without git's metadata (a tree copied to an offline node) says it through $HARNESS_CODE_VERSION;
+    None when neither tells, e.g. an installed wheel."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=15)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != ROOT:  # not a checkout of this project
+        return os.environ.get(CODE_VERSION_VAR) or None
+    head, changes = git("rev-parse", "--short=12", "HEAD"), git("status", "--porcelain", "--", *CODE_PATHS)
+    if head is None or changes is None:
+        return os.environ.get(CODE_VERSION_VAR) or None
+    return head + ("+dirty" if changes else "")
 
 
 GLIBC_TUNING = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")

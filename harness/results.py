@@ -127,6 +127,7 @@ class Result:
     triton_version: str | None
     xformers_version: str | None
     hostname: str | None
+    code_version: str | None  # the harness's git commit, "+dirty" with local changes (harness/env.py)
     other_cpu_cores: float | None  # cores busy with other processes while this point was timed
     date: str | None  # UTC, ISO 8601, when the point finished
     # The variant's options as built (defaults included): ((name, value), ...), written as opt_<name>

@@ -208,8 +208,8 @@ def summarize(rows, fits, env, args, budget, reruns, elapsed) -> str:
     head = "| variant | " + " | ".join(f"N={n}" for n in ns) + " |\n|---|" + "---:|" * len(ns) + "\n"
     out = ["# CPU benchmark: time and peak memory against sequence length", "",
            f"Workload: B=1, H=4, D=64, float32, non-causal, forward+backward. Machine: {env['device_name']}, "
-           f"{env['num_threads']} threads, torch {env['torch_version']}, allocator {env['allocator']}, "
-           f"{env['hostname']}, {env['date']} "
+           f"{env['num_threads']} threads, torch {env['torch_version']}, code {env.get('code_version')}, "
+           f"allocator {env['allocator']}, {env['hostname']}, {env['date']} "
            f"(load average {fmt(env.get('load_avg_1m'))} at the start of the first variant). "
            f"Timer: torch.utils.benchmark blocked_autorange, min run time {args.min_run_time} s per pass, "
            f"1 warm-up call; memory: profiler allocation replay (extra over the inputs); "

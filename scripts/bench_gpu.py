@@ -509,7 +509,7 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
     lines = [f"# GPU benchmark{' (SMOKE: tiny sizes on CPU, not results)' if ctx.plan.smoke else ''}", "",
              f"Device {e.get('device_name')}; torch {e.get('torch_version')}, CUDA {e.get('cuda_version')}, "
              f"cuDNN {e.get('cudnn_version')}, triton {e.get('triton_version')}, xformers {e.get('xformers_version')}; "
-             f"driver and clocks below. Invocations: " + "; ".join(f"{x['date']} ({x['steps']})" for x in envs) + ".",
+             f"code {e.get('code_version')}; driver and clocks below. Invocations: " + "; ".join(f"{x['date']} ({x['steps']})" for x in envs) + ".",
              "", "```", e.get("nvidia_smi") or "nvidia-smi: not available", "```", "",
              "Steps: " + ", ".join(f"{k}: {v}" for k, v in sorted(ctx.state.items())) + ".", "", "## Targets", ""]
     lines += table(["target", "status", "measured", "gap"],

@@ -237,7 +237,7 @@ def table(rows: list[dict], env: dict, args) -> str:
                      f"{p['other_cpu_cores'] or 0:.2f} | {' '.join(f'{x:.2f}' for x in r['round_time_ratios'])} | "
                      f"{r['max_rel_err']:.1e} |")
     lines += ["", f"Machine: {env['device_name']}, {env['num_threads']} threads, torch {env['torch_version']}, "
-                  f"allocator {env['allocator']}, load average {env['load_avg_1m']:.2f} at the start; "
+                  f"code {env['code_version']}, allocator {env['allocator']}, load average {env['load_avg_1m']:.2f} at the start; "
                   f"timer torch.utils.benchmark blocked_autorange, {args.min_run_time} s per side; "
                   f"B={B}, H={H}, D={D}, float32, non-causal."]
     return "\n".join(lines) + "\n"

@@ -12,7 +12,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from harness import env as envmod
 from harness import run as runmod
+from harness.env import code_version
 from harness.memory import cpu_peak_bytes
 from harness.results import FIELDS, fit_exponents, read_jsonl, series_key
 from harness.config import ConfigError, variant_names
@@ -55,10 +57,43 @@ def test_every_variant_config_runs_and_records_every_field(yaml, tmp_path):
     ranks = row["world_size"] or 1  # sequence-parallel ranks on one machine share its cores
     threads = torch.get_num_threads() if ranks == 1 else max(1, len(os.sched_getaffinity(0)) // ranks)
     assert row["torch_version"] == torch.__version__ and row["num_threads"] == threads
+    assert row["code_version"] == code_version()  # the checkout's commit, in every row
     with open(tmp_path / "results.csv") as f:
         header = next(csv.reader(f))
     assert header[:len(FIELDS)] == list(FIELDS) and set(header) == set(row)
     assert (tmp_path / "env.json").exists() and not (tmp_path / "fit.json").exists()  # one length: no fit
+
+
+def test_code_version_is_the_commit_and_dirty_only_for_code(tmp_path, monkeypatch):
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       check=True, capture_output=True)
+
+    for path in ("harness/a.py", "results/r.csv"):
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text("1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    monkeypatch.setattr(envmod, "ROOT", tmp_path)
+    monkeypatch.delenv(envmod.CODE_VERSION_VAR, raising=False)
+    assert code_version() == head
+    (tmp_path / "results/r.csv").write_text("2\n")  # results written into the checkout: not code
+    (tmp_path / "results/new.csv").write_text("3\n")
+    assert code_version() == head
+    (tmp_path / "variants").mkdir()
+    (tmp_path / "variants/new.py").write_text("x = 1\n")  # a new variant file not yet committed is code
+    assert code_version() == head + "+dirty"
+    (tmp_path / "variants/new.py").unlink()
+    (tmp_path / "harness/a.py").write_text("2\n")
+    assert code_version() == head + "+dirty"
+    # Not a checkout of the project (a copied tree, an installed package): the variable, else unknown
+    monkeypatch.setattr(envmod, "ROOT", tmp_path / "harness")
+    assert code_version() is None
+    monkeypatch.setenv(envmod.CODE_VERSION_VAR, "0123abcd")
+    assert code_version() == "0123abcd"
 
 
 # ----- the command line ------------------------------------------------------------------------------
