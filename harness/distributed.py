@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -148,12 +149,16 @@ class Team:
             command = [None]
             dist.broadcast_object_list(command, src=0)
             if command[0] is None:
-                self.clean = True
+                self.stop()
                 return
             dist.gather_object(self.measure_rank(command[0]), None, dst=0)
 
     def stop(self) -> None:
-        dist.broadcast_object_list([None], src=0)
+        """Rank 0 says stop; every rank then meets at a barrier, so that no rank tears its connections
+        down (destroy_process_group) while another still reads from them."""
+        if self.rank == 0:
+            dist.broadcast_object_list([None], src=0)
+        dist.barrier()
         self.clean = True
 
     def measure(self, attn, s: Settings, seq_len: int, device: torch.device, rec: dict[str, Any],
@@ -307,3 +312,8 @@ def _child(rv: Rendezvous, config: dict[str, Any]) -> None:
         dist.destroy_process_group()
     except Exception:
         os._exit(1)
+    # Done: leave without the interpreter's teardown, where gloo's threads were seen to abort a rank
+    # that had finished ("terminate called without an active exception", SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
