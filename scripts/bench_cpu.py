@@ -119,28 +119,24 @@ def main() -> None:
 ALLOCATOR_NOTE = (
     "Allocator: glibc with MALLOC_MMAP_THRESHOLD_=2^30 and MALLOC_TRIM_THRESHOLD_=2^30 (set by this script) "
     "unless the line above says otherwise. With glibc's defaults every temporary over 32 MiB is mmapped, "
-    "page-faulted and zeroed on each call, depending on the process's allocation history: measured here, "
-    "sliding_window at N=4096 took 350 ms forward+backward with the defaults and 152 ms with these settings "
-    "(jemalloc without decay: 180 ms), and its forward became linear in N (17, 33, 62, 124 ms at 1K…8K). "
+    "page-faulted and zeroed on each call, depending on the process's allocation history, and a variant "
+    "whose temporaries cross 32 MiB between two N shows a step in time that is not in its algorithm. "
     "`--glibc-default` keeps the defaults.")
 
 
+# How to read the tables: what follows from the method and the algorithms, true of any run. What one run
+# showed (and why) belongs in the results directory's own notes, with the numbers of that run.
 NOTES = """\
-- full_math's time exponent (2.5 over all N, theory 2) is the memory system, not the FLOPs: its N×N
-  temporaries are fresh memory on each call once they are large (checked separately with
-  getrusage: 0.75-1 GiB of page faults per forward+backward at N=4096, 4 GiB at N=8192, i.e. every
-  N×N matrix; achieved rate falls from 0.126 to 0.038 TFLOP/s between N=4096 and 8192), and a call
-  is 1-2 samples at large N, so single slow calls show (fwd 653 ms > fwd+bwd 475 ms at N=4096).
-  full_sdpa, with no N×N temporaries, keeps 0.12-0.14 TFLOP/s and fits 2.05.
-- sparse (fixed, L=4, c=1) is quadratic by design: every fourth key block is a summary block seen by
-  all queries, so the density is about 1/4 + 4/nb and the theory exponent is 1.8-1.9; the measured
-  2.3 over 2K→16K has the same page-fault cause as full_math at N >= 8192 (0.56 GiB of faults on
-  some calls, none on others).
-- Peak memory is exact where the variant allocates what it says: full_math holds three N×N
-  matrices at the peak (probabilities, their gradient, the scores' gradient: 3.00 N² measured);
-  the analytic figures of sdpa, sliding_window, sparse and linear are upper bounds (the 6·N·D term
-  counts more than is live at the peak).
-- The machine is shared with other sessions: see "Disturbance". Timings compare within this run.
+- Theory is the slope of the analytic FLOPs and memory between the same N: a measured time exponent
+  above it is the machine (memory traffic, page faults of N×N temporaries, per-op overhead at small N),
+  not the algorithm; the memory exponent is the check of the algorithm.
+- sparse (fixed) is quadratic by design: every L-th key block is a summary block seen by every later
+  query, so its theory exponent is below 2 but rises towards it with N.
+- Peak memory is the profiler's replay of the allocations (extra over the inputs); the analytic figures
+  are upper bounds of the same quantity.
+- reformer's default n_buckets = 2N/c makes hashing quadratic (its theory exponent is above 1);
+  adaptive_span runs at its initial spans (every key within max_span + ramp).
+- The machine may be shared: see "Disturbance". Compare timings within one run, as ratios.
 """
 
 
