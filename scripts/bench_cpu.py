@@ -2,10 +2,13 @@
 
     python scripts/bench_cpu.py [--out results/cpu] [--seq-lens 1024 2048 4096 8192 16384]
                                 [--min-run-time 0.3] [--memory-budget-gb GB] [--only full_math linear]
+                                [--rounds 3] [--resume]
 
 Workload: B=1, H=4, D=64, float32, non-causal, each variant at its defaults (full both on the math path
-and on SDPA). Writes <out>/<name>/results.{jsonl,csv}, env.json, fit.json per variant, and the
-combined <out>/results.csv, <out>/fit.json and <out>/SUMMARY.md (tables, fitted exponents, targets).
+and on SDPA). Each point is measured in --rounds rounds (separate processes, minutes apart) and the
+median round kept. Writes <out>/<name>/results.{jsonl,csv}, env.json, fit.json per variant (its later
+rounds in <out>/<name>/round-<r>/), and the combined <out>/results.csv (the kept rows), <out>/fit.json and
+<out>/SUMMARY.md (tables, fitted exponents, targets, the rounds' spread).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ CONFIGS = {  # name -> overrides of conf/config.yaml
 WORKLOAD = ["batch_size=1", "num_heads=4", "head_dim=64", "dtype=float32", "device=cpu", "causal=false"]
 SEQ_LENS = [1024, 2048, 4096, 8192, 16384]
 MiB = 2**20
+ROUNDS_DISAGREE = 1.10  # a point whose slowest round took more than 1.1x its fastest is starred
 # glibc serves every allocation above its mmap threshold (dynamic, at most 32 MiB) with fresh pages that
 # are page-faulted and zeroed on every call and returned on free; how often that happens depends on the
 # process's allocation history. Variants whose temporaries cross 32 MiB between two N then show a step
@@ -60,16 +64,20 @@ def main() -> None:
                          "N=16384 needs three 4 GiB N×N matrices)")
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--max-other-cores", type=float, default=0.25,
-                    help="re-measure a point during which other processes kept more cores than this busy")
-    ap.add_argument("--retries", type=int, default=2)
-    ap.add_argument("--retry-max-s", type=float, default=60.0,
-                    help="re-measure a disturbed point only when that takes at most this long (estimated)")
+                    help="a measurement during which other processes kept more cores than this busy is kept "
+                         "only where no quieter round of the point exists")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="measurements of each point (in separate processes, minutes apart); the median is kept")
+    ap.add_argument("--round-max-s", type=float, default=60.0,
+                    help="measure a point again only when that takes at most this long (estimated)")
     ap.add_argument("--resume", action="store_true",
                     help="reuse a variant's earlier results in --out when they cover every N")
     ap.add_argument("--wait-s", type=float, default=60.0, help="longest wait for a quiet machine before a run")
     ap.add_argument("--glibc-default", action="store_true",
                     help=f"keep glibc's default allocator settings (otherwise re-run with {ALLOCATOR_ENV})")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if not args.glibc_default and any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
 
@@ -78,31 +86,24 @@ def main() -> None:
         budget = 0.8 * (mem_available_bytes() or 16e9) / 1e9
     common = [*WORKLOAD, f"seq_lens=[{','.join(map(str, args.seq_lens))}]",
               f"measure.min_run_time={args.min_run_time}", f"memory_budget_gb={budget:.2f}"]
-    rows, fits, env, reruns = {}, {}, None, []
+    rows, spreads, fits, env = {}, {}, {}, None
     started = time.perf_counter()
+    # This machine is shared, and some of its slow periods are invisible from inside (other_cpu_cores stays
+    # near 0 while a memory-bound variant runs 30-45% slower for minutes): each point is measured in
+    # --rounds separate processes, the rounds minutes apart and in alternating variant order, and the
+    # median kept. Points that take long (full math at large N) are measured once.
+    for r in range(1, args.rounds + 1):
+        for name in (args.only if r % 2 else args.only[::-1]):
+            vdir = args.out / name
+            rdir, ns = (vdir, args.seq_lens) if r == 1 else (vdir / f"round-{r}", again(vdir, args))
+            if ns and not (args.resume and set(ns) <= set(candidates(rdir, rounds=False))):
+                wait_for_quiet(args.max_other_cores, args.wait_s)
+                run_harness([*CONFIGS[name], *common, f"seq_lens=[{','.join(map(str, ns))}]"], rdir)
     for name in args.only:
         vdir = args.out / name
-        if not (args.resume and set(args.seq_lens) <= set(candidates(vdir))):
-            wait_for_quiet(args.max_other_cores, args.wait_s)
-            run_harness([*CONFIGS[name], *common], vdir)
         found = candidates(vdir)
-        # This machine is shared: a point measured while others' work kept cores busy is measured again
-        # (after waiting for quiet, where it comes) unless that would take too long, and the least
-        # disturbed measurement is kept.
-        for n in args.seq_lens:
-            while n in found:
-                r, tries = best(found[n]), len(found[n]) - 1
-                cost_s = 6.5 * (r.fwd_bwd_ms or 0) / 1e3  # warm-up, memory, three passes: ~6.5 fwd+bwd calls
-                if (r.status != "ok" or (r.other_cpu_cores or 0) <= args.max_other_cores
-                        or tries >= args.retries or cost_s > args.retry_max_s):
-                    break
-                wait_for_quiet(args.max_other_cores, args.wait_s)
-                rdir = vdir / f"rerun-N{n}-{tries + 1}"
-                run_harness([*CONFIGS[name], *common, f"seq_lens=[{n}]"], rdir)
-                again = candidates(rdir)[n][0]
-                reruns.append((name, n, r.other_cpu_cores, again.other_cpu_cores))
-                found[n].append(again)
-        rows[name] = [best(found[n]) for n in args.seq_lens if n in found]
+        rows[name] = [median(found[n], args.max_other_cores) for n in args.seq_lens if n in found]
+        spreads[name] = {n: spread(found[n]) for n in args.seq_lens if n in found}
         env = env or json.loads((vdir / "env.json").read_text())
         fits[name] = {"all": fit_exponents(rows[name]), "2k_16k": fit_exponents(rows[name], 2048, 16384),
                       "seq_lens": args.seq_lens}
@@ -111,7 +112,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "results.csv", [r for name in args.only for r in rows[name]])
     write_json(args.out / "fit.json", fits)
-    summary = summarize(rows, fits, env, args, budget, reruns, elapsed)
+    summary = summarize(rows, spreads, fits, env, args, budget, elapsed)
     (args.out / "SUMMARY.md").write_text(summary)
     print(summary)
 
@@ -159,19 +160,37 @@ def wait_for_quiet(max_other_cores: float, timeout_s: float = 120.0) -> None:
             return
 
 
-def candidates(vdir: Path) -> dict[int, list[Result]]:
-    """Every measurement of each N in a variant's directory: the sweep's and its re-measurements'."""
+def again(vdir: Path, args) -> list[int]:
+    """The lengths measured again in a later round: ok in the first, and quick enough."""
+    first = {r.seq_len: r for rs in candidates(vdir, rounds=False).values() for r in rs}
+    return [n for n in args.seq_lens if n in first and first[n].status == "ok"
+            and 6.5 * (first[n].fwd_bwd_ms or 0) / 1e3 <= args.round_max_s]  # warm-up, memory, 3 passes
+
+
+def candidates(vdir: Path, rounds: bool = True) -> dict[int, list[Result]]:
+    """Every measurement of each N in a variant's directory: the first round's and the later rounds'."""
     found: dict[int, list[Result]] = {}
-    for path in [vdir / "results.jsonl", *sorted(vdir.glob("rerun-*/results.jsonl"))]:
+    for path in [vdir / "results.jsonl", *(sorted(vdir.glob("round-*/results.jsonl")) if rounds else [])]:
         if path.exists():
             for rec in read_jsonl(path):
                 found.setdefault(rec["seq_len"], []).append(Result.from_record(rec))
     return found
 
 
-def best(rs: list[Result]) -> Result:
-    ok = [r for r in rs if r.status == "ok"]
-    return min(ok, key=lambda r: r.other_cpu_cores or 0.0) if ok else rs[0]
+def median(rs: list[Result], max_other_cores: float) -> Result:
+    """The point's kept measurement: the median round by forward+backward time (the lower of the middle
+    two), among the undisturbed rounds where there are any."""
+    ok = [r for r in rs if r.status == "ok" and r.fwd_bwd_ms is not None]
+    if not ok:
+        return rs[0]
+    quiet = [r for r in ok if (r.other_cpu_cores or 0.0) <= max_other_cores] or ok
+    return sorted(quiet, key=lambda r: r.fwd_bwd_ms)[(len(quiet) - 1) // 2]
+
+
+def spread(rs: list[Result]) -> tuple[int, float | None]:
+    """(rounds, slowest / fastest forward+backward time among the ok ones)."""
+    ms = [r.fwd_bwd_ms for r in rs if r.status == "ok" and r.fwd_bwd_ms]
+    return len(rs), (max(ms) / min(ms) if ms else None)
 
 
 def by_n(rs):
@@ -195,11 +214,21 @@ def cell_mib(r) -> str:
     return f"{r.peak_mem_bytes / MiB:.1f}"
 
 
+def disagree(sp: tuple[int, float | None] | None) -> str:
+    return "*" if sp and sp[1] and sp[1] > ROUNDS_DISAGREE else ""
+
+
+def cell_spread(sp: tuple[int, float | None] | None) -> str:
+    if sp is None:
+        return "-"
+    return f"{fmt(sp[1])}{disagree(sp)} ({sp[0]})" if sp[0] > 1 else f"- ({sp[0]})"
+
+
 def fmt(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
 
 
-def summarize(rows, fits, env, args, budget, reruns, elapsed) -> str:
+def summarize(rows, spreads, fits, env, args, budget, elapsed) -> str:
     ns = args.seq_lens
     head = "| variant | " + " | ".join(f"N={n}" for n in ns) + " |\n|---|" + "---:|" * len(ns) + "\n"
     out = ["# CPU benchmark: time and peak memory against sequence length", "",
@@ -211,10 +240,12 @@ def summarize(rows, fits, env, args, budget, reruns, elapsed) -> str:
            f"1 warm-up call; memory: profiler allocation replay (extra over the inputs); "
            f"memory budget {budget:.1f} GB. Produced by `python scripts/bench_cpu.py`; rows in results.csv, "
            f"fits in fit.json.", "", ALLOCATOR_NOTE, "",
-           "## Forward+backward time, ms (median ± IQR)", "", head.rstrip("\n")]
+           "## Forward+backward time, ms (median ± IQR)", "",
+           f"The median of each point's rounds (see Rounds); * where its rounds differ by more than "
+           f"{ROUNDS_DISAGREE - 1:.0%}.", "", head.rstrip("\n")]
     for name, rs in rows.items():
         b = by_n(rs)
-        out.append(f"| {name} | " + " | ".join(cell_ms(b.get(n)) for n in ns) + " |")
+        out.append(f"| {name} | " + " | ".join(cell_ms(b.get(n)) + disagree(spreads[name].get(n)) for n in ns) + " |")
     out += ["", "## Peak memory of forward+backward, MiB (extra over the inputs)", "", head.rstrip("\n")]
     for name, rs in rows.items():
         b = by_n(rs)
@@ -231,21 +262,25 @@ def summarize(rows, fits, env, args, budget, reruns, elapsed) -> str:
                    f"{g(k, 'fwd_bwd_ms', 'fitted')} | {g(k, 'fwd_bwd_ms', 'theory')} | "
                    f"{g(a, 'memory', 'fitted')} | {g(a, 'memory', 'theory')} |")
     out += ["", "## Targets", ""] + targets(rows, fits)
+    out += ["", "## Rounds", "",
+            f"Each point was measured in up to {args.rounds} rounds, each in its own process, minutes apart "
+            f"(rounds in alternating variant order; a point whose first round took over {args.round_max_s:.0f} s "
+            "was measured once). The cell: the slowest round's forward+backward time over the fastest's "
+            "(the number of rounds); the tables above hold the median round.", "", head.rstrip("\n")]
+    for name in rows:
+        out.append(f"| {name} | " + " | ".join(cell_spread(spreads[name].get(n)) for n in ns) + " |")
     out += ["", "## Disturbance", "",
-            "Cores kept busy by other processes (or stolen by the hypervisor) while each point ran; a point "
-            f"above {args.max_other_cores} was measured again (up to {args.retries} times) and the least "
-            "disturbed measurement kept.", "", head.rstrip("\n")]
+            "Cores kept busy by other processes (or stolen by the hypervisor) while each kept point ran; a "
+            f"round above {args.max_other_cores} is kept only where no quieter round of its point exists.",
+            "", head.rstrip("\n")]
     for name, rs in rows.items():
         b = by_n(rs)
         out.append(f"| {name} | " + " | ".join(fmt(b[n].other_cpu_cores) if n in b else "-" for n in ns) + " |")
-    if reruns:
-        out += ["", "Re-measured: " + "; ".join(f"{name} N={n} ({fmt(before)} → {fmt(after)} cores)"
-                                               for name, n, before, after in reruns) + "."]
     first = min(json.loads((args.out / name / "env.json").read_text())["date"] for name in rows)
-    last = max(r.date for rs in rows.values() for r in rs)
+    last = max(r.date for name in rows for rs in candidates(args.out / name).values() for r in rs if r.date)
     span = datetime.datetime.fromisoformat(last) - datetime.datetime.fromisoformat(first)
     out += ["", f"Measured from {first} to {last} ({span.total_seconds() / 60:.1f} min on this machine, "
-            f"re-measurements included); this invocation of the script took {elapsed / 60:.1f} min"
+            f"every round included); this invocation of the script took {elapsed / 60:.1f} min"
             + (" (earlier results reused with --resume)." if args.resume else ".")]
     out += ["", "## Notes", "", NOTES]
     problems = [r for rs in rows.values() for r in rs if r.status != "ok"]

@@ -1,0 +1,54 @@
+"""scripts/bench_cpu.py end to end at tiny N: each variant through the harness's command line, the combined
+rows, fits and SUMMARY written from them (and only from them)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+from harness.env import code_version
+
+from .conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "bench_cpu.py"
+
+
+def test_two_variants_at_two_lengths(tmp_path):
+    names, seq_lens = ["linear", "sliding_window"], ["128", "256"]
+    cmd = [sys.executable, str(SCRIPT), "--only", *names, "--seq-lens", *seq_lens, "--min-run-time", "0.01",
+           "--out", str(tmp_path), "--wait-s", "0", "--rounds", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["variant"], r["seq_len"], r["status"]) for r in rows] == [
+        (name, n, "ok") for name in names for n in seq_lens]
+    assert {r["code_version"] for r in rows} == {code_version() or ""}
+    fits = json.loads((tmp_path / "fit.json").read_text())
+    assert set(fits) == set(names) and fits["linear"]["all"]["memory"]["fitted"] > 0  # time: unless noisy
+    summary = (tmp_path / "SUMMARY.md").read_text()
+    by = {(r["variant"], r["seq_len"]): r for r in rows}
+    for name in names:  # one line per variant in the time, memory, fit, rounds and disturbance tables
+        assert summary.count(f"| {name} |") == 5, name
+        # The second round of every point, in its own process and directory; the kept row is one of the two
+        again = {r["seq_len"]: r for r in csv.DictReader(open(tmp_path / name / "round-2" / "results.csv"))}
+        assert sorted(again) == seq_lens
+        first = {r["seq_len"]: r for r in csv.DictReader(open(tmp_path / name / "results.csv"))}
+        for n in seq_lens:  # the median of two rounds: the faster, unless only one was undisturbed
+            rounds = [first[n], again[n]]
+            assert by[name, n]["fwd_bwd_ms"] in {r["fwd_bwd_ms"] for r in rounds}
+            if all(float(r["other_cpu_cores"] or 0) <= 0.25 for r in rounds):
+                assert by[name, n]["fwd_bwd_ms"] == min((r["fwd_bwd_ms"] for r in rounds), key=float)
+    ms = float(by["linear", "256"]["fwd_bwd_ms"])
+    assert f"{ms:.4g}" in summary  # the tables are this run's numbers
+    assert "not measured" in summary  # blockwise and full_math did not run: their target is not judged
+
+
+def test_rounds_below_one_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--rounds must be at least 1, got 0" in done.stderr.splitlines()[-1]
+    assert "Traceback" not in done.stderr and not any(tmp_path.iterdir())
