@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--round-max-s", type=float, default=60.0,
                     help="measure a point again only when that takes at most this long (estimated)")
     ap.add_argument("--resume", action="store_true",
-                    help="reuse a variant's earlier results in --out when they cover every N")
+                    help="reuse a round's earlier results in --out when they cover its lengths")
     ap.add_argument("--wait-s", type=float, default=60.0, help="longest wait for a quiet machine before a run")
     ap.add_argument("--glibc-default", action="store_true",
                     help=f"keep glibc's default allocator settings (otherwise re-run with {ALLOCATOR_ENV})")
@@ -89,7 +89,7 @@ def main() -> None:
     rows, spreads, fits, env = {}, {}, {}, None
     started = time.perf_counter()
     # This machine is shared, and some of its slow periods are invisible from inside (other_cpu_cores stays
-    # near 0 while a memory-bound variant runs 30-45% slower for minutes): each point is measured in
+    # near 0 while some variants run 30-45% slower for minutes): each point is measured in
     # --rounds separate processes, the rounds minutes apart and in alternating variant order, and the
     # median kept. Points that take long (full math at large N) are measured once.
     for r in range(1, args.rounds + 1):

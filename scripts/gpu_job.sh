@@ -20,7 +20,8 @@
 # Environment: BENCH_DIR (default results/gpu/<UTC date>-<device>), JOB_BUDGET_S, OUT, PYTHON,
 # RERUN_TESTS=1 (run the GPU tests again), SKIP_TESTS=1, SKIP_WHEELS=1, BENCH_ARGS (more bench_gpu.py
 # arguments), HARNESS_CODE_VERSION (the commit every row records as code_version, for a tree copied
-# without .git: `git rev-parse --short=12 HEAD` where it was copied from). A dry run on a CPU machine (tiny sizes; what needs CUDA is recorded skipped):
+# without .git: `git rev-parse --short=12 HEAD` where it was copied from).
+# A dry run on a CPU machine (tiny sizes; what needs CUDA is recorded skipped):
 #   OUT=/tmp/o BENCH_DIR=/tmp/b SKIP_WHEELS=1 SKIP_TESTS=1 BENCH_ARGS=--smoke bash scripts/gpu_job.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
