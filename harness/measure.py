@@ -9,17 +9,16 @@ Per point:
 4. Time, separately: the forward (of training: autograd records the graph), the backward
    (``out.backward(grad, retain_graph=True)`` on one forward run outside the timer, input gradients
    reset in every call) and forward+backward. CPU: ``torch.utils.benchmark.Timer`` on all of torch's
-   threads with ``blocked_autorange`` (or ``adaptive_autorange``); GPU: ``triton.testing.do_bench``
-   (CUDA events, L2 flushed between calls) when triton imports, else the same Timer, which
-   synchronises CUDA. Median and interquartile range of the per-call times, over at least
-   ``min_samples`` samples (blocks of calls) unless that would pass ``max_run_time``.
+   threads with ``blocked_autorange`` (or ``adaptive_autorange``); GPU: ``triton.testing.do_bench``'s
+   method (CUDA events around every call, L2 flushed before it), written out so that a long call still
+   gets ``min_samples`` calls (``cuda_time_fn``). Median and interquartile range of the per-call times,
+   over at least ``min_samples`` samples (blocks of calls) unless that would pass ``max_run_time``.
 5. Noise: ``noise_reasons`` says why a point's timings cannot be trusted (spread, too few samples,
    others' load, forward slower than forward+backward); the run flags or re-measures it (``on_noise``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from dataclasses import dataclass
@@ -44,13 +43,13 @@ class Timing:
     samples: int | None  # timed samples (blocks of calls); None where the timer does not say
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+L2_FLUSH_BYTES = 256 * 2**20  # written before every timed GPU call, as do_bench does: more than any GPU's L2
+GPU_WARMUP_MS = 25.0  # do_bench's default warm-up
 
 
 def timer_name(device: torch.device, opts: MeasureOptions) -> str:
-    if device.type == "cuda" and triton_available():
-        return "triton.do_bench"
+    if device.type == "cuda":
+        return "cuda.Event (do_bench's method)"
     return f"torch.utils.benchmark.{opts.timer}_autorange"
 
 
@@ -59,18 +58,56 @@ def _stats(times_ms: list[float]) -> Timing:
     return Timing(float(q50), float(q75 - q25) if len(times_ms) > 1 else None, len(times_ms))
 
 
+def gpu_repeats(estimate_ms: float, opts: MeasureOptions) -> int:
+    """Timed calls of a GPU pass: do_bench's ``rep / estimate`` (rep = min_run_time), but at least
+    ``min_samples``, and no more than fit in ``max_run_time`` (at least one). do_bench itself times a
+    call longer than rep only once: at FA-1's shape every point past N≈8K would have no spread."""
+    fit = max(1, int(opts.max_run_time * 1e3 / max(estimate_ms, 1e-6)))
+    return min(max(int(opts.min_run_time * 1e3 / max(estimate_ms, 1e-6)), opts.min_samples), fit)
+
+
+def cuda_time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOptions) -> Timing:
+    """``triton.testing.do_bench``'s method with the harness's sample rule (``gpu_repeats``): one untimed
+    call; the estimate of one call (over five when they are short, as do_bench); warm-up calls for 25 ms
+    (none past that: the untimed call and the estimate were warm-up enough); then every call between two
+    CUDA events, with a 256 MiB buffer written before it so no input is served from L2. Per-call ms."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+
+    def events(n: int) -> list[torch.cuda.Event]:
+        return [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+
+    def mean_ms(n: int) -> float:
+        start, end = events(2)
+        start.record()
+        for _ in range(n):
+            flush.zero_()
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / n
+
+    fn()
+    torch.cuda.synchronize(device)
+    estimate = mean_ms(1)
+    if 5 * estimate < opts.min_run_time * 1e3:
+        estimate = mean_ms(5)
+    for _ in range(int(GPU_WARMUP_MS / max(estimate, 1e-6))):
+        fn()
+    starts, ends = events(n := gpu_repeats(estimate, opts)), events(n)
+    for start, end in zip(starts, ends):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return _stats([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
 def time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOptions) -> Timing:
     """Median and IQR of one call of ``fn`` in milliseconds, over at least ``opts.min_samples`` samples
     unless taking them would pass ``opts.max_run_time`` (then fewer, and the point says so as noisy)."""
-    if device.type == "cuda" and triton_available():
-        from triton.testing import do_bench
-
-        rep = max(1.0, opts.min_run_time * 1e3)
-        try:
-            return _stats(list(do_bench(fn, rep=rep, return_mode="all")))  # every call, in ms
-        except (TypeError, ValueError):  # a triton without return_mode="all"
-            q25, q50, q75 = do_bench(fn, rep=rep, quantiles=[0.25, 0.5, 0.75], return_mode="median")
-            return Timing(q50, q75 - q25, None)
+    if device.type == "cuda":
+        return cuda_time_fn(fn, device, opts)
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     if opts.timer == "adaptive":
         m = timer.adaptive_autorange(min_run_time=opts.min_run_time, max_run_time=10 * opts.min_run_time)

@@ -14,7 +14,8 @@ skips the points it has, a finished step is not run again):
         first call (compilation, BlockMask) timed apart; the harness's timing against raw do_bench of
         the same callable -> d/compare.jsonl, d/overhead.json
   a     conf/sweep/seq_len_scaling.yaml (FA-1 shape: B=16, H=8, D=64, fp16, N=128…65536) once per
-        variant with every backend the device has (N×N backends last): the harness stops a series at its
+        variant with every backend the device has (what the targets need first: full's N×N backends for
+        Table 21, the exponent series; the other N×N backends last): the harness stops a series at its
         first oom -> a/<variant>/<job>/
 Then SUMMARY.md and summary.json (targets: met | missed, with the gap | not measured | skipped on CPU),
 and harness.report's plots and tables for a/ and c/ (a/report/, c/report/).
@@ -148,7 +149,7 @@ def sweep(ctx: Context, step: str, preset: str, overrides: list[str], sweep_dir:
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the running job records "interrupted"; a rerun resumes it
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -158,17 +159,30 @@ def sweep(ctx: Context, step: str, preset: str, overrides: list[str], sweep_dir:
     ctx.finish(step, "complete" if rc == 0 else f"exit {rc}")
 
 
-def part_a(ctx: Context) -> None:
+def a_series(ctx: Context) -> list[tuple[str, str, dict[str, Any], list[str]]]:
+    """Part a's sweeps (step, variant, options, backends) in the order they run: what a target needs
+    first (full's N×N backends: Table 21; the exponent series), then the other efficient variants and
+    full's kernels, the other N×N backends last. A job cut short by its budget has spent it on targets."""
     import variants
 
-    series = [(label, v, o) for label, v, o in VARIANTS if v in variants.REGISTRY and label in ctx.labels]
-    for last in (False, True):  # the N×N backends after everything else
-        for label, variant, options in series:
-            chosen = [b for b in backends(variant, options, ctx.device) if (b in N2_BACKENDS) == last]
+    series = []
+    for label, variant, options in VARIANTS:
+        if variant not in variants.REGISTRY or label not in ctx.labels:
+            continue
+        names = backends(variant, options, ctx.device)
+        for n2 in (False, True):
+            chosen = [b for b in names if (b in N2_BACKENDS) == n2]
+            tier = 0 if label == "full" and n2 else 1 if label in EXPONENT_TARGETS and not n2 else 3 if n2 else 2
             if chosen:
-                sweep(ctx, f"a:{label}{':n2' if last else ''}", "seq_len_scaling",
-                      [f"variant={variant}", f"variant.backend={','.join(chosen)}",
-                       *[f"variant.{k}={v}" for k, v in options.items()], *ctx.plan.a], ctx.out / "a" / label)
+                series.append((tier, f"a:{label}{':n2' if n2 else ''}", variant, options, chosen))
+    return [s[1:] for s in sorted(series, key=lambda s: s[0])]  # stable: VARIANTS' order within a tier
+
+
+def part_a(ctx: Context) -> None:
+    for step, variant, options, chosen in a_series(ctx):
+        sweep(ctx, step, "seq_len_scaling", [f"variant={variant}", f"variant.backend={','.join(chosen)}",
+                                             *[f"variant.{k}={v}" for k, v in options.items()], *ctx.plan.a],
+              ctx.out / "a" / step.split(":")[1])
 
 
 def part_c(ctx: Context) -> None:
@@ -589,8 +603,11 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or ROOT / ("outputs/bench_gpu_smoke" if args.smoke else
                                f"results/gpu/{datetime.date.today().isoformat()}-{slug}")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(SMOKE_PLAN if args.smoke else GPU_PLAN, out, device, args.budget_s, lambda m: print(m, flush=True),
-                  chosen)
+    start = time.monotonic()  # every line says when, so a job's log shows where a budget went
+
+    def log(message: str) -> None:
+        print(f"[{time.monotonic() - start:4.0f} s] {message}", flush=True)
+    ctx = Context(SMOKE_PLAN if args.smoke else GPU_PLAN, out, device, args.budget_s, log, chosen)
     if args.pending:
         print(" ".join(s for s in steps if not ctx.done(s)))
         return 0
@@ -600,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in steps:
             if not ctx.done(step):
                 {"roof": part_roof, "c": part_c, "d": part_d, "a": part_a}[step](ctx)
+                ctx.log(f"step {step}: {'complete' if ctx.done(step) else 'not complete'}")
     res = summarize(ctx)
     for t in res["targets"]:
         ctx.log(f"target {t['target']}: {t['status']}" + (f" ({t['gap']})" if t["gap"] else ""))

@@ -83,8 +83,12 @@ if [ "${SKIP_TESTS:-0}" != 1 ] && { [ ! -f "$BENCH_DIR/tests-gpu.rc" ] || [ "${R
         echo "== GPU tests: too little time left in this call (${T} s); the next call runs them"
     else
         if "$PY" -c "import wandb" 2>/dev/null; then export WANDB_MODE=offline; else export WANDB_MODE=disabled; fi
-        echo "== python -m pytest -q -m gpu (limit ${T} s)"
-        timeout -k 15 "$T" "$PY" -m pytest -q -m gpu -rfEs -p no:cacheprovider \
+        # Four test processes where pytest-xdist is installed: most of the time is FlexAttention's
+        # compilation (one per N, dtype and mask), which one process does one at a time. At the limit
+        # pytest gets SIGINT, so it still reports what ran and writes the JUnit file.
+        XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
+        echo "== python -m pytest -q -m gpu ${XDIST[*]} (limit ${T} s)"
+        timeout -s INT -k 30 "$T" "$PY" -m pytest -q -m gpu "${XDIST[@]}" -rfEs -p no:cacheprovider \
             --junitxml="$BENCH_DIR/junit-gpu.xml" 2>&1 | tee "$BENCH_DIR/tests-gpu.log"
         rc=${PIPESTATUS[0]}
         echo "$rc" > "$BENCH_DIR/tests-gpu.rc"
@@ -93,10 +97,12 @@ if [ "${SKIP_TESTS:-0}" != 1 ] && { [ ! -f "$BENCH_DIR/tests-gpu.rc" ] || [ "${R
 fi
 
 # 4. the benchmark, resumable
-B=$(($(left) - 25))
+# Its budget leaves 60 s for a sweep to stop on SIGTERM (30 s) and the summary; the timeout's 60 s more
+# and a summary again keep the whole call within JOB_BUDGET_S + 35 s.
+B=$(($(left) - 60))
 if [ "$B" -gt 30 ]; then
     echo "== python scripts/bench_gpu.py --out $BENCH_DIR --budget-s $B ${BENCH_ARGS:-}"
-    timeout -k 10 $((B + 90)) "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --budget-s "$B" ${BENCH_ARGS:-} \
+    timeout -k 10 $((B + 60)) "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --budget-s "$B" ${BENCH_ARGS:-} \
         || "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --summary-only ${BENCH_ARGS:-}
 else
     echo "== no time left for the benchmark in this call"

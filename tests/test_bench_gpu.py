@@ -130,3 +130,25 @@ def test_shell_scripts_parse_and_speak_of_the_project_only(script):
     # wheels are "brought", not a mechanism of some particular GPU service.
     assert not re.findall(r"(?<![\w.$}])/(?!tmp/|tmp\b|usr/|dev/)[A-Za-z_]+/", text)
     assert "carry" not in text
+
+
+def test_part_a_runs_what_the_targets_need_first(tmp_path):
+    """A job cut short by its budget has measured Table 21 (full's N×N backends) and the exponent series
+    before the rest; the other N×N backends come last."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
+    bench = sys.modules["bench_gpu"] = importlib.util.module_from_spec(spec)  # registered: its dataclasses need it
+    spec.loader.exec_module(bench)
+    labels = [label for label, _, _ in bench.VARIANTS]
+    ctx = bench.Context(bench.SMOKE_PLAN, tmp_path, torch.device("cpu"), None, print, labels)
+    steps = [step for step, *_ in bench.a_series(ctx)]
+    assert steps[0] == "a:full:n2" and sorted(steps) == sorted(set(steps))
+    targets = [f"a:{t}" for t in bench.EXPONENT_TARGETS]
+    assert steps[1:1 + len(targets)] == targets
+    n2 = [i for i, s in enumerate(steps) if s.endswith(":n2") and s != "a:full:n2"]
+    assert n2 and n2 == list(range(len(steps) - len(n2), len(steps)))  # the rest's N×N backends last
+    for step, variant, options, chosen in bench.a_series(ctx):
+        assert all((b in bench.N2_BACKENDS) == step.endswith(":n2") for b in chosen), step

@@ -16,7 +16,7 @@ from harness.report import sweep as report
 from harness.report.compare import compare, judge
 from harness.config import MeasureOptions
 from harness.console import Display
-from harness.measure import noise_reasons
+from harness.measure import gpu_repeats, noise_reasons, time_fn
 from harness.results import Result, fit_exponents, read_jsonl
 from harness.run import run
 
@@ -38,6 +38,42 @@ def test_too_few_samples_is_noisy_and_says_why(tmp_path):
     # max_run_time below one block: the point cannot take its samples and says so
     (r,) = run(compose_cfg(*TINY, "measure.min_samples=1000", "measure.max_run_time=0.01"), output_dir=tmp_path).rows
     assert r.noisy and "samples < measure.min_samples=1000" in r.noise_reasons and "max_run_time=0.01" in r.noise_reasons
+
+
+def test_gpu_repeats_give_every_call_a_spread_within_max_run_time():
+    """do_bench's rep / estimate calls, but at least min_samples (do_bench would time a 300 ms call once)
+    and no more than max_run_time allows."""
+    opts = MeasureOptions(min_run_time=0.1, min_samples=5, max_run_time=60)
+    assert gpu_repeats(0.01, opts) == 10_000  # short calls: do_bench's count
+    assert gpu_repeats(10.0, opts) == 10
+    assert gpu_repeats(300.0, opts) == 5  # do_bench: 1
+    assert gpu_repeats(20_000.0, opts) == 3  # 5 would take 100 s > 60 s: fewer, and the point says so
+    assert gpu_repeats(90_000.0, opts) == 1
+
+
+@pytest.mark.gpu
+def test_cuda_timer_is_do_bench_with_a_spread_for_long_calls():
+    """The same method as do_bench (other test processes may share the GPU: loose bounds here; the
+    benchmark's d/overhead.json holds the harness against raw do_bench within 3%), and at least
+    min_samples calls where do_bench would time a call once or twice."""
+    import math
+
+    import torch
+    from triton.testing import do_bench
+
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    opts = MeasureOptions(min_run_time=0.1, min_samples=5)
+    short = time_fn(lambda: x @ x, torch.device("cuda"), opts)
+    ref = do_bench(lambda: x @ x, rep=100, return_mode="median")
+    assert short.samples > 100 and 0.5 < short.median_ms / ref < 2, (short, ref)
+    reps = math.ceil(40 / short.median_ms)  # a call of about 40 ms: do_bench's rep=100 times it twice
+
+    def long_call():
+        for _ in range(reps):
+            x @ x
+    assert len(do_bench(long_call, rep=100, return_mode="all")) < 5
+    timing = time_fn(long_call, torch.device("cuda"), opts)
+    assert timing.samples == 5 and timing.iqr_ms is not None and 20 < timing.median_ms < 160, timing
 
 
 def test_noise_reasons():
@@ -204,7 +240,7 @@ def test_a_pass_not_measured_is_not_full_failing_and_seeds_are_separate_series()
 def test_others_load_makes_only_timings_noisy():
     """A point that timed nothing (quality or memory only) is not noisy for others' load: the profiler's
     memory replay and the task do not depend on it."""
-    from harness.measure import noise_reasons
+    from harness.measure import gpu_repeats, noise_reasons, time_fn
 
     busy = {"other_cpu_cores": 1.5}
     assert noise_reasons(busy, MeasureOptions(passes=())) == []
