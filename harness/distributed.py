@@ -167,10 +167,15 @@ class Team:
         from .env import OtherLoad
 
         dist.broadcast_object_list([seq_len], src=0)
-        load, start = OtherLoad(), time.monotonic()
-        load.start()
-        mine = self.measure_rank(seq_len, on_phase)
-        busy, wall = load.stop(), time.monotonic() - start
+        load, start = OtherLoad(), [time.monotonic()]
+
+        def phase(name: str) -> None:  # others' load from the end of the warm-up, as in run.measure_quietest
+            if name != "warm-up" and not load.started:
+                load.start()
+                start[0] = time.monotonic()
+            on_phase(name)
+        mine = self.measure_rank(seq_len, phase)
+        busy, wall = load.stop(), time.monotonic() - start[0]
         records = [None] * self.rv.world_size
         dist.gather_object(mine, records, dst=0)
         return merge(rec, records, self.backend, busy, wall, s)
@@ -183,11 +188,13 @@ class Team:
         rec: dict[str, Any] = {"status": "ok"}
         cpu, marks, group = os.times(), {}, None
 
-        def phase(name: str) -> None:  # bytes of the warm-up's calls: the first phase after it
+        def phase(name: str) -> None:  # bytes of the warm-up's calls, and CPU time after it: the first phase after it
+            nonlocal cpu
             if name == "warm-up":
                 marks["start"] = attn.bytes_sent
             elif "calls" not in marks and "start" in marks:
                 marks["calls"] = attn.bytes_sent - marks["start"]
+                cpu = os.times()
             on_phase(name)
 
         try:

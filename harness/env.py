@@ -178,6 +178,10 @@ class OtherLoad:
         t = os.times()
         return time.monotonic(), busy, t.user + t.system
 
+    @property
+    def started(self) -> bool:
+        return self._start is not None
+
     def start(self) -> None:
         self._start = self._sample()
 

@@ -352,11 +352,17 @@ def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device
     for tries in range(1, s.measure.max_tries + 1):
         attempt = rec if tries == 1 else dict(fresh)  # the first fills rec: what it measured before a
         # failure (an OOM in the backward) is kept by the caller
+        # Others' load from the end of the warm-up: the warm-up's compilation runs in worker processes
+        # of our own (Inductor compiles Triton kernels in a pool), which /proc/stat counts as others.
         load = envmod.OtherLoad()
-        load.start()
+
+        def phase(p: str, t: int = tries) -> None:
+            if p != "warm-up" and not load.started:
+                load.start()
+            on_phase(p if t == 1 else f"{p} (try {t})")
         measure_point(attn, batch_size=s.batch_at(seq_len), num_heads=s.num_heads, seq_len=seq_len, head_dim=s.head_dim,
                       dtype=s.torch_dtype, device=device, causal=s.causal, seed=s.seed, opts=s.measure,
-                      record=attempt, on_phase=on_phase if tries == 1 else lambda p, t=tries: on_phase(f"{p} (try {t})"))
+                      record=attempt, on_phase=phase)
         attempt["other_cpu_cores"] = load.stop()
         reasons = noise_reasons(attempt, s.measure) if attempt["status"] == "ok" else []
         attempt.update(noisy=bool(reasons) if attempt["status"] == "ok" else None,

@@ -4,6 +4,8 @@ penalty and the spans logged to wandb."""
 
 from __future__ import annotations
 
+import math
+
 import json
 import os
 import subprocess
@@ -40,7 +42,7 @@ def build(spans, **options) -> AdaptiveSpan:
 
 def grads(out, inputs, seed=1):
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return torch.autograd.grad(out, inputs, g.to(out.dtype))
+    return torch.autograd.grad(out, inputs, g.to(device=out.device, dtype=out.dtype))  # drawn on CPU: same on any device
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
@@ -178,6 +180,22 @@ def test_executed_band_is_the_reach_of_the_largest_span():
         attn.z.fill_(1000.0)  # clamped to S; a reach past N is cut at N − 1
     assert attn.reach() == S + R - 1
     assert attn.band_shape(30, False) == (1, 30, 30)  # the band covers the sequence: one N × N chunk
+
+
+def test_reach_is_read_from_z_once_until_z_changes():
+    """reach() reads z on the host (a device sync on GPU): once per value of z, renewed by an optimiser
+    step and by a copy to another device or dtype."""
+    attn = build([3.2, 10.0])
+    q, k, v = qkv(1, 2, 100, 16, dtype=torch.float32)
+    attn(q, k, v).sum().backward()
+    kept = attn._reach
+    attn(q, k, v)
+    assert attn._reach is kept and attn.reach() == 10 + R - 1
+    torch.optim.SGD([attn.z], lr=50.0).step()
+    want = math.ceil(float(attn.z.detach().clamp(0, S).max())) + R - 1
+    assert attn.reach() == want != 10 + R - 1 and attn._reach is not kept
+    attn.double()  # a new z: read again
+    assert attn.reach() == want and attn._reach[0] == (attn.z.data_ptr(), attn.z.device, attn.z._version)
 
 
 @pytest.mark.parametrize("options,expect", [

@@ -134,6 +134,7 @@ class AdaptiveSpan(Attention):
         init = float(o.max_span if o.init_span is None else o.init_span)
         self.z = nn.Parameter(torch.full((o.num_heads or 1,), init))  # (H,) or (1,) shared, in tokens
         self.block_masks = flex.BlockMasks()  # the flex backend's band, per (N, causal, device), for one reach
+        self._reach: tuple[tuple, int] | None = None  # (z's identity and version, reach): see reach()
 
     # ----- spans ---------------------------------------------------------------------------------------
     def spans(self, num_heads: int | None = None) -> Tensor:
@@ -165,8 +166,16 @@ class AdaptiveSpan(Attention):
         return {"span": self.spans().detach().tolist()}
 
     def reach(self) -> int:
-        """Largest distance with m > 0 for some head: ⌈max z⌉ + R − 1 (m(x) > 0 ⇔ x < z + R)."""
-        return math.ceil(float(self.spans().detach().max())) + self.options.ramp - 1
+        """Largest distance with m > 0 for some head: ⌈max z⌉ + R − 1 (m(x) > 0 ⇔ x < z + R).
+
+        Reading z on the host waits for the device, so the value is kept until z changes: its storage
+        (``.to``, a new parameter) or its version (every in-place update: optimiser steps, ``after_step``'s
+        clamp, ``copy_``; an update through ``z.data`` is not seen). Without this every call on a GPU
+        would wait for the work queued before it."""
+        key = (self.z.data_ptr(), self.z.device, self.z._version)
+        if self._reach is None or self._reach[0] != key:
+            self._reach = key, math.ceil(float(self.spans().detach().max())) + self.options.ramp - 1
+        return self._reach[1]
 
     # ----- facts -----------------------------------------------------------------------------------------
     def _head_reaches(self) -> list[int]:

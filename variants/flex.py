@@ -53,11 +53,16 @@ def compiled_flex_attention():
     default limit (8) would silently drop later combinations to eager FlexAttention, which
     materialises the N×N scores and would make every later timing and memory figure meaningless.
     The limits are raised once here (a process-wide setting, fine in a benchmark process).
+    Donated buffers are turned off too: a compiled backward that frees its saved intermediates (flex's
+    logsumexp) refuses ``backward(retain_graph=True)``, which is how the harness times the backward alone.
     """
     global _compiled
     if _compiled is None:
         import torch._dynamo.config as dynamo_config
+        import torch._functorch.config as functorch_config
         from torch.nn.attention.flex_attention import flex_attention
+
+        functorch_config.donated_buffer = False
 
         for names, floor in ((("recompile_limit", "cache_size_limit"), 1024),
                              (("accumulated_recompile_limit", "accumulated_cache_size_limit"), 8192)):

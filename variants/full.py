@@ -99,6 +99,10 @@ class Full(Attention):
         if key not in self.auto_choices:
             timings = self._time_candidates(q, causal, grad)
             ok = {b: t for b, t in timings.items() if isinstance(t, float)}
+            if not ok and any(str(t).startswith("OutOfMemoryError") for t in timings.values()):
+                # an oom, as the harness records it (and stops the series there), not an error
+                raise torch.OutOfMemoryError(f"full: backend 'auto': no candidate ran for {q.dtype}, shape "
+                                             f"{tuple(q.shape)}, causal={causal}: {timings}")
             if not ok:
                 raise VariantError(f"full: backend 'auto' found no kernel for {q.dtype}, shape {tuple(q.shape)}, "
                                    f"causal={causal} on {q.device}: {timings}")
