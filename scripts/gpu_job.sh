@@ -7,7 +7,8 @@
 #    is reachable and copy wheels/ with the repository; they are installed here with --no-index into
 #    /tmp/site (put on PYTHONPATH; the node's own torch, CUDA and triton are used as they are).
 # 2. Prints nvidia-smi and the versions of torch, CUDA, triton, xformers, hydra and wandb.
-# 3. Runs the GPU tests once (`pytest -m gpu`: every GPU backend against the float64 reference) into
+# 3. Runs the GPU tests once (`pytest -m gpu`: every GPU backend against the float64 reference; -n 4 where
+#    pytest-xdist is installed) into
 #    <results>/junit-gpu.xml and tests-gpu.log.
 # 4. Runs scripts/bench_gpu.py --out <results> within what is left of JOB_BUDGET_S (default 520 s):
 #    the sweeps stop at the budget and resume on the next call; measured points are never measured again.
