@@ -1,7 +1,7 @@
 """GPU benchmark: the harness's own sweeps at the FlashAttention papers' shapes, then what a sweep cannot
 measure (the matmul roof, public kernels, the harness's overhead) and the targets.
 
-    python scripts/bench_gpu.py [--out DIR] [--budget-s S] [--steps roof,c,d,a] [--smoke]
+    python scripts/bench_gpu.py [--out DIR] [--budget-s S] [--steps roof,c,a-targets,d,a] [--smoke]
     python scripts/bench_gpu.py --summary-only --out DIR   # SUMMARY.md, summary.json, reports again
 
 Steps (default output results/gpu/<UTC date>-<device>/; a rerun into the same --out resumes: a sweep
@@ -9,14 +9,14 @@ skips the points it has, a finished step is not run again):
   roof  n×n×n torch.matmul in bf16 and fp16, triton.testing.do_bench median -> roof.json
   c     conf/sweep/fa2_full.yaml (FA-2/FA-3 shape: 16K tokens, hidden 2048, D 64/128, bf16, causal and
         not) with every full backend the device has -> c/<job>/
-  d     one process, interleaved: each efficient variant's backends against the best public kernel for
+  d     in one process, one kernel after another: each efficient variant's backends against the best public kernel for
         its pattern (raw xformers, raw FlexAttention with the canonical mask_mod, SDPA on blocks), the
         first call (compilation, BlockMask) timed apart; the harness's timing against raw do_bench of
         the same callable -> d/compare.jsonl, d/overhead.json
   a     conf/sweep/seq_len_scaling.yaml (FA-1 shape: B=16, H=8, D=64, fp16, N=128…65536) once per
-        variant with every backend the device has (what the targets need first: full's N×N backends for
-        Table 21, the exponent series; the other N×N backends last): the harness stops a series at its
-        first oom -> a/<variant>/<job>/
+        variant with every backend the device has (the other N×N backends last): the harness stops a
+        series at its first oom -> a/<variant>/<job>/. Its sweeps that targets need (full's N×N backends
+        for Table 21, the exponent series) run before d, as step a-targets.
 Then SUMMARY.md and summary.json (targets: met | missed, with the gap | not measured | skipped on CPU),
 and harness.report's plots and tables for a/ and c/ (a/report/, c/report/).
 
@@ -52,7 +52,7 @@ from harness.env import now  # noqa: E402
 from harness.results import InputError, fit_exponents, latest, load_rows, read_jsonl, write_json  # noqa: E402
 
 MiB = 2**20
-STEPS = ("roof", "c", "d", "a")
+STEPS = ("roof", "c", "a-targets", "d", "a")
 NEEDS_CUDA = "skipped: needs CUDA"
 # (label, variant, options): part a's series and the comparisons' variants.
 VARIANTS = [("full", "full", {}), ("sliding_window", "sliding_window", {}), ("linear", "linear", {}),
@@ -60,12 +60,18 @@ VARIANTS = [("full", "full", {}), ("sliding_window", "sliding_window", {}), ("li
             ("sparse-strided", "sparse", {"pattern": "strided"}), ("sparse-bigbird", "sparse", {"pattern": "bigbird"}),
             ("blockwise-exact", "blockwise", {"mode": "exact"}), ("reformer", "reformer", {}),
             ("adaptive_span", "adaptive_span", {})]
-N2_BACKENDS = {"dense", "math", "sdpa_math"}  # N×N in memory: measured after everything else
+N2_BACKENDS = {"dense", "math", "sdpa_math"}  # full's math and sdpa_math, any variant's dense: N×N in memory
 COMPARED = ("sliding_window", "blockwise-local", "sparse-fixed", "sparse-strided", "sparse-bigbird")
 EXPONENT_TARGETS = ("sliding_window", "linear", "reformer", "adaptive_span")
 OVERHEAD_CASES = [("full", "sdpa_flash"), ("sliding_window", "xformers"), ("linear", "sdpa")]
-PUBLISHED = ("FA-3 on H100: 740 TFLOP/s fp16 forward (75% of the 989 TFLOP/s datasheet peak); FA-2 on H100 "
-             "about 335-370 TFLOP/s forward (both papers' 16K-token, hidden-2048 benchmark)")
+PUBLISHED = ("FA-3 on H100: up to 740 TFLOP/s fp16 forward, at its best head dimension (75% of the 989 TFLOP/s "
+             "datasheet peak); FA-2 on H100 about 335-370 TFLOP/s forward (both papers' 16K-token, hidden-2048 "
+             "benchmark)")
+
+
+def n2(variant: str, backend: str) -> bool:
+    """Whether a backend holds N×N tensors (linear's math is O(N·k): not one of them)."""
+    return backend == "dense" or (variant == "full" and backend in N2_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -106,10 +112,10 @@ class Context:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
     def done(self, step: str) -> bool:
-        """Whether a step (roof, c, d; a: every variant's sweeps, or one of them: a:<label>) is complete."""
-        if step == "a":
-            return any(k.startswith("a:") for k in self.state) and all(
-                v == "complete" for k, v in self.state.items() if k.startswith("a:"))
+        """Whether a step is complete: roof, c, d; a-targets (part a's sweeps that targets need) and a
+        (all of them) by their sweeps (a:<label>, a:<label>:n2)."""
+        if step in ("a", "a-targets"):
+            return all(self.state.get(s) == "complete" for _, s, *_ in a_series(self, 1 if step == "a-targets" else 3))
         return self.state.get(step) == "complete"
 
     def finish(self, step: str, outcome: str) -> None:
@@ -159,10 +165,12 @@ def sweep(ctx: Context, step: str, preset: str, overrides: list[str], sweep_dir:
     ctx.finish(step, "complete" if rc == 0 else f"exit {rc}")
 
 
-def a_series(ctx: Context) -> list[tuple[str, str, dict[str, Any], list[str]]]:
-    """Part a's sweeps (step, variant, options, backends) in the order they run: what a target needs
-    first (full's N×N backends: Table 21; the exponent series), then the other efficient variants and
-    full's kernels, the other N×N backends last. A job cut short by its budget has spent it on targets."""
+def a_series(ctx: Context, max_tier: int = 3) -> list[tuple[int, str, str, dict[str, Any], list[str]]]:
+    """Part a's sweeps (tier, step, variant, options, backends) in the order they run: what a target
+    needs first (tier 0: full's N×N backends, Table 21; tier 1: the exponent series), then the other
+    efficient variants and full's kernels (2), the other N×N backends last (3). The targets' tiers run
+    before part d (step a-targets), the rest after it: a job cut short by its budget has spent it on
+    targets."""
     import variants
 
     series = []
@@ -170,16 +178,16 @@ def a_series(ctx: Context) -> list[tuple[str, str, dict[str, Any], list[str]]]:
         if variant not in variants.REGISTRY or label not in ctx.labels:
             continue
         names = backends(variant, options, ctx.device)
-        for n2 in (False, True):
-            chosen = [b for b in names if (b in N2_BACKENDS) == n2]
-            tier = 0 if label == "full" and n2 else 1 if label in EXPONENT_TARGETS and not n2 else 3 if n2 else 2
+        for square in (False, True):
+            chosen = [b for b in names if n2(variant, b) == square]
+            tier = 0 if label == "full" and square else 1 if label in EXPONENT_TARGETS and not square else 3 if square else 2
             if chosen:
-                series.append((tier, f"a:{label}{':n2' if n2 else ''}", variant, options, chosen))
-    return [s[1:] for s in sorted(series, key=lambda s: s[0])]  # stable: VARIANTS' order within a tier
+                series.append((tier, f"a:{label}{':n2' if square else ''}", variant, options, chosen))
+    return [s for s in sorted(series, key=lambda s: s[0]) if s[0] <= max_tier]  # stable: VARIANTS' order in a tier
 
 
-def part_a(ctx: Context) -> None:
-    for step, variant, options, chosen in a_series(ctx):
+def part_a(ctx: Context, max_tier: int = 3) -> None:
+    for _, step, variant, options, chosen in a_series(ctx, max_tier):
         sweep(ctx, step, "seq_len_scaling", [f"variant={variant}", f"variant.backend={','.join(chosen)}",
                                              *[f"variant.{k}={v}" for k, v in options.items()], *ctx.plan.a],
               ctx.out / "a" / step.split(":")[1])
@@ -334,7 +342,12 @@ def part_d(ctx: Context) -> None:
     dtype = getattr(torch, ctx.plan.dtype if ctx.device.type == "cuda" else "float32")
     path = ctx.out / "d" / "compare.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    have = {(r["label"], r["name"]) for r in side_rows(path)}
+    # What is measured, or skipped/unavailable for a reason, is kept; an error is tried once more on a
+    # later call (a transient failure should not stand), then kept too.
+    tries: dict[tuple[str, str], list[str]] = {}
+    for r in side_rows(path):
+        tries.setdefault((r["label"], r["name"]), []).append(r["status"])
+    have = {key for key, st in tries.items() if st[-1] != "error" or len(st) >= 2}
     for label, variant, options in VARIANTS:
         if label not in COMPARED or label not in ctx.labels:
             continue
@@ -343,7 +356,7 @@ def part_d(ctx: Context) -> None:
         def ours(backend: str) -> Callable[[], Callable[[], None]]:
             return lambda: fwd_bwd_call(variants.build(variant, **options, backend=backend).to(ctx.device),
                                         (B, H, N, D), dtype, ctx.device)
-        ours = {f"ours {b}": ours(b) for b in attn.available_backends(ctx.device) if b not in N2_BACKENDS}
+        ours = {f"ours {b}": ours(b) for b in attn.available_backends(ctx.device) if not n2(variant, b)}
         for name, build in {**ours, **public_kernels(label, attn, B, H, N, D, dtype, ctx.device)}.items():
             if (label, name) in have:
                 continue
@@ -450,23 +463,36 @@ def analyse(ctx: Context) -> dict[str, Any]:
     roof = json.loads((out / "roof.json").read_text()) if (out / "roof.json").exists() else {}
     res: dict[str, Any] = {"roof": roof, "table21": [], "compare": [], "exponents": {}, "targets": []}
 
+    # Full math's peak with its inputs (the measured peak over q, k, v, dout, plus those four) against
+    # FA-1 Table 21's formula (four fp16 N×N tensors and ten N×D per (b, h): what FA-1's PyTorch baseline
+    # held) and against this path's own count (three N×N at the softmax backward, P, dP, dS, and six N×D:
+    # variants/full.py memory_bytes): the second checks the measurement, the first compares the programs.
     for r in sorted((r for r in a if r["variant"] == "full" and r["backend"] == "math" and r["peak_mem_bytes"]),
-                    key=lambda r: r["seq_len"]):  # measured peak over the inputs + the inputs (q, k, v, dout)
+                    key=lambda r: r["seq_len"]):
         B, H, N, D = r["batch_size"], r["num_heads"], r["seq_len"], r["head_dim"]
         elt = torch.empty((), dtype=getattr(torch, r["dtype"])).element_size()
-        measured, formula = r["peak_mem_bytes"] + 4 * B * H * N * D * elt, 4 * B * H * N * N * 2 + 10 * B * H * N * D * 2
+        measured = r["peak_mem_bytes"] + 4 * B * H * N * D * elt
+        formula, own = (4 * N * N + 10 * N * D) * B * H * 2, (3 * N * N + 6 * N * D) * B * H * elt
         res["table21"].append({"seq_len": N, "measured_mib": measured / MiB, "formula_mib": formula / MiB,
-                               "ratio": measured / formula})
+                               "ratio": measured / formula, "own_mib": own / MiB, "own_ratio": measured / own})
     worst21 = max(res["table21"], key=lambda m: abs(m["ratio"] - 1), default=None)
     res["targets"].append(target(
         "table21", "full math peak memory = FA-1 Table 21's 4·B·H·N²·2 + 10·B·H·N·D·2 bytes within 2%",
         worst21 and worst21["ratio"], lambda v: abs(v - 1) <= 0.02,
         ", ".join(f"N={m['seq_len']}: {m['ratio']:.4f}" for m in res["table21"]), cpu,
-        lambda v: f"worst N={worst21['seq_len']}: {(v - 1) * 100:+.1f}%"))
+        lambda v: f"worst N={worst21['seq_len']}: {(v - 1) * 100:+.1f}%; the formula counts four N×N tensors "
+                  f"at the peak, this path holds three (its own count, next target): "
+                  f"{worst21['own_mib'] / worst21['formula_mib']:.4f} of the formula expected"))
+    worst_own = max(res["table21"], key=lambda m: abs(m["own_ratio"] - 1), default=None)
+    res["targets"].append(target(
+        "math_exact", "full math peak memory = its own count, (3·N² + 6·N·D)·B·H elements, within 2%",
+        worst_own and worst_own["own_ratio"], lambda v: abs(v - 1) <= 0.02,
+        ", ".join(f"N={m['seq_len']}: {m['own_ratio']:.4f}" for m in res["table21"]), cpu,
+        lambda v: f"worst N={worst_own['seq_len']}: {(v - 1) * 100:+.1f}%"))
 
     n, d = plan.roof_target
     fwd = [(r["backend"], r["tflops_fwd"]) for r in c if r["seq_len"] == n and r["head_dim"] == d
-           and not r["causal"] and r["tflops_fwd"]]
+           and not r["causal"] and r["tflops_fwd"] and r["status"] == "ok" and not r.get("noisy")]
     best = max(fwd, key=lambda x: x[1], default=None)
     rate = (roof.get("tflops") or {}).get("bfloat16")
     share = best[1] / rate if best and rate else None
@@ -475,51 +501,73 @@ def analyse(ctx: Context) -> dict[str, Any]:
         share, lambda v: v >= 0.6, f"{best[0]} {best[1]:.1f} TFLOP/s vs roof {fmt(rate)}" if best else "", cpu,
         lambda v: f"{(0.6 - v) * rate:.1f} TFLOP/s short of 60% ({v:.1%} of the roof)"))
 
+    # Every full backend at the FA-2/FA-3 shape's longest N: useful TFLOP/s (FA-2's convention: causal
+    # counts half the pairs; the math paths compute all of them) and the share of the roof.
+    res["fa2"] = [{"backend": r["backend"], "head_dim": r["head_dim"], "causal": r["causal"], "status": r["status"],
+                   "noisy": r.get("noisy"), **{p: r.get(f"tflops_{p}_useful") for p in ("fwd", "bwd", "fwd_bwd")},
+                   "fwd_share": r["tflops_fwd_useful"] / rate if rate and r.get("tflops_fwd_useful") else None}
+                  for r in sorted((r for r in c if r["seq_len"] == n),
+                                  key=lambda r: (r["head_dim"], r["causal"], -(r.get("tflops_fwd_useful") or 0)))]
+
     compare = side_rows(out / "d" / "compare.jsonl")
     for label in COMPARED:
         rows = [r for r in compare if r["label"] == label and r["status"] == "ok"]
         ours = min((r for r in rows if r["kind"] == "ours"), key=lambda r: r["fwd_bwd_ms"], default=None)
         pub = min((r for r in rows if r["kind"] == "public"), key=lambda r: r["fwd_bwd_ms"], default=None)
         ratio = pub["fwd_bwd_ms"] / ours["fwd_bwd_ms"] if ours and pub else None
-        # Our xformers backend calls the public xformers kernel: the ratio of our own kernels (the engine,
-        # flex with our mask_mod) is stated beside it.
-        own = min((r for r in rows if r["kind"] == "ours" and r["name"] != "ours xformers"),
+        # The target is the issue's: our best backend. Our xformers and flex backends call the public
+        # kernels themselves (same mask; ours built from the variant's predicate), so where one of them is
+        # best the ratio measures our wrapper and mask_mod; the engine's ratio (variants/blocksparse.py,
+        # our own kernel) is stated beside it.
+        own = min((r for r in rows if r["kind"] == "ours" and r["name"] not in ("ours xformers", "ours flex")),
                   key=lambda r: r["fwd_bwd_ms"], default=None)
+        own_ratio = pub["fwd_bwd_ms"] / own["fwd_bwd_ms"] if own and pub else None
         res["compare"].append({"label": label, "ours": ours and ours["name"], "ours_ms": ours and ours["fwd_bwd_ms"],
                                "public": pub and pub["name"], "public_ms": pub and pub["fwd_bwd_ms"], "ratio": ratio,
-                               "own": own and own["name"],
-                               "own_ratio": pub["fwd_bwd_ms"] / own["fwd_bwd_ms"] if own and pub else None})
+                               "own": own and own["name"], "own_ms": own and own["fwd_bwd_ms"], "own_ratio": own_ratio})
         res["targets"].append(target(
             f"compare_{label}", f"{label}: best backend >= 0.9x the speed of the best public kernel (one run)",
-            ratio, lambda v: v >= 0.9, f"{fmt(ours and ours['name'])} vs {fmt(pub and pub['name'])}",
-            cpu and ratio is None,
+            ratio, lambda v: v >= 0.9, f"{fmt(ours and ours['name'])} vs {fmt(pub and pub['name'])}; our own "
+            f"kernel ({fmt(own and own['name'])}): {fmt(own_ratio)}", cpu and ratio is None,
             lambda v: f"ours takes {1 / v:.2f}x the public kernel's time"))
 
     lo, hi = plan.exponent_range
     import variants
 
     for label in (t for t in EXPONENT_TARGETS if t in variants.REGISTRY and t in ctx.labels):
-        fits = {}
-        for backend in {r["backend"] for r in a if r["variant"] == label} - N2_BACKENDS:
-            f = fit_exponents([r for r in a if r["variant"] == label and r["backend"] == backend], lo, hi)
-            if "fwd_bwd_ms" in f and f["fwd_bwd_ms"]["seq_lens"][-1] == hi:
-                fits[backend] = f["fwd_bwd_ms"]
-        res["exponents"][label] = fits
-        best_fit = min(fits.items(), key=lambda kv: kv[1]["fitted"], default=None)
+        # A backend is fitted only with every length of the range measured, ok and not noisy (a fit over
+        # what is left of it could pass on two points); the target is judged on the backend fastest at hi.
+        mine = [r for r in a if r["variant"] == label and lo <= r["seq_len"] <= hi and not n2(label, r["backend"])]
+        lengths = sorted({r["seq_len"] for r in mine})
+        fits, short = {}, {}
+        for backend in sorted({r["backend"] for r in mine}):
+            rows = [r for r in mine if r["backend"] == backend]
+            good = {r["seq_len"] for r in rows if r["status"] == "ok" and not r.get("noisy") and r.get("fwd_bwd_ms")}
+            missing = [n for n in lengths if n not in good] + ([] if hi in lengths else [hi])
+            if missing or len(lengths) < 2:
+                short[backend] = missing
+            else:
+                fits[backend] = {**fit_exponents(rows, lo, hi)["fwd_bwd_ms"],
+                                 "ms_at_hi": next(r["fwd_bwd_ms"] for r in rows if r["seq_len"] == hi)}
+        res["exponents"][label] = {"seq_lens": lengths, "fits": fits, "incomplete": short}
+        fastest = min(fits.items(), key=lambda kv: kv[1]["ms_at_hi"], default=None)
+        detail = "; ".join([f"{b}: {f['fitted']:.3f} (theory {f['theory']:.3f}, {f['ms_at_hi']:.4g} ms at {hi})"
+                            for b, f in fits.items()] +
+                           [f"{b}: not fitted (N={', '.join(map(str, ns))} missing, failed or noisy)"
+                            for b, ns in short.items()])
         res["targets"].append(target(
-            f"exponent_{label}", f"{label} forward+backward time exponent <= 1.1 over N={lo}..{hi} (best backend)",
-            best_fit and best_fit[1]["fitted"], lambda v: v <= 1.1,
-            ", ".join(f"{b}: {f['fitted']:.3f} (theory {f['theory']:.3f})" for b, f in fits.items()), False,
-            lambda v: f"{v - 1.1:+.3f} above 1.1"))
+            f"exponent_{label}", f"{label} forward+backward time exponent <= 1.1 over N={lo}..{hi} (the backend "
+            f"fastest at {hi}, every length ok)", fastest and fastest[1]["fitted"], lambda v: v <= 1.1,
+            (f"{fastest[0]}; " if fastest else "") + detail, False, lambda v: f"{v - 1.1:+.3f} above 1.1"))
 
     ov = json.loads((out / "d" / "overhead.json").read_text()) if (out / "d" / "overhead.json").exists() else {}
     vals = [(f"{cs['variant']}/{cs['backend']} {p}", cs[p]["overhead"]) for cs in ov.get("cases", [])
             if cs["status"] == "ok" for p in ("fwd", "fwd_bwd") if cs[p]["overhead"] is not None]
-    worst = max(vals, key=lambda x: x[1], default=None)
+    worst = max(vals, key=lambda x: abs(x[1]), default=None)  # faster than raw would be a discrepancy too
     res["overhead"] = ov
     res["targets"].append(target(
         "overhead", "the harness's timing within 3% of raw do_bench of the same callable", worst and worst[1],
-        lambda v: v <= 0.03, ", ".join(f"{k}: {v:+.2%}" for k, v in vals), cpu,
+        lambda v: abs(v) <= 0.03, ", ".join(f"{k}: {v:+.2%}" for k, v in vals), cpu,
         lambda v: f"{worst[0]}: {v:+.2%}"))
     res["compare_rows"], res["a_rows"], res["c_rows"] = compare, len(a), len(c)
     return res
@@ -539,18 +587,29 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
     roof = res["roof"]
     lines += ["", "## Matmul roof and exact attention at the FA-2/FA-3 shape (c/)", "",
               f"Roof: {', '.join(f'{k} {v:.1f} TFLOP/s' for k, v in roof.get('tflops', {}).items()) or roof.get('status', 'not measured')}"
-              f" ({roof.get('size', '-')}³ torch.matmul). Published: {PUBLISHED}.", ""]
-    lines += ["## FA-1 Table 21: full math peak memory (a/full)", ""]
-    lines += table(["N", "measured MiB", "formula MiB", "ratio"],
-                   [[m["seq_len"], m["measured_mib"], m["formula_mib"], f"{m['ratio']:.4f}"] for m in res["table21"]])
+              f" ({roof.get('size', '-')}³ torch.matmul). Published: {PUBLISHED}.", "",
+              f"Every full backend at N={ctx.plan.roof_target[0]} (B·N = 16K tokens, H·D = 2048), TFLOP/s of "
+              "the useful FLOPs (4·B·H·N²·D forward, causal half of it; backward 2.5× forward):", ""]
+    lines += table(["D", "causal", "backend", "status", "fwd", "bwd", "fwd+bwd", "fwd / roof"],
+                   [[r["head_dim"], r["causal"], r["backend"], r["status"] + (" (noisy)" if r["noisy"] else ""),
+                     r["fwd"], r["bwd"], r["fwd_bwd"], "-" if r["fwd_share"] is None else f"{r['fwd_share']:.1%}"]
+                    for r in res["fa2"]])
+    lines += ["", "## FA-1 Table 21: full math peak memory (a/full)", "",
+              "With the inputs (q, k, v, dout). FA-1's formula, 4·N²·2 + 10·N·D·2 bytes per (b, h), is four fp16 "
+              "N×N tensors at the peak of its PyTorch baseline; this path holds three (P, dP, dS at the softmax "
+              "backward) and six N×D, its own count: the measurement is checked against that one.", ""]
+    lines += table(["N", "measured MiB", "FA-1 formula MiB", "ratio", "own count MiB", "ratio"],
+                   [[m["seq_len"], f"{m['measured_mib']:.1f}", f"{m['formula_mib']:.1f}", f"{m['ratio']:.4f}",
+                     f"{m['own_mib']:.1f}", f"{m['own_ratio']:.4f}"] for m in res["table21"]])
     lines += ["", f"## Against public kernels (d/, N={ctx.plan.compare_seq_len}, forward+backward, one process)", ""]
-    lines += table(["pattern", "ours (best backend)", "ms", "best public kernel", "ms", "speed ratio",
-                    "best of our own kernels", "its speed ratio"],
-                   [[r["label"], r["ours"], r["ours_ms"], r["public"], r["public_ms"], r["ratio"], r["own"],
-                     r["own_ratio"]] for r in res["compare"]])
-    lines += ["", "Speed ratio: the public kernel's time over ours (>= 1: ours is as fast). Our `xformers` backend "
-              "calls the public xformers kernel, so where it is our best the ratio measures the wrapper; the last "
-              "two columns leave it out."]
+    lines += table(["pattern", "best public kernel", "ms", "our best backend", "ms", "speed ratio (target)",
+                    "our own kernel", "ms", "speed ratio"],
+                   [[r["label"], r["public"], r["public_ms"], r["ours"], r["ours_ms"], r["ratio"], r["own"],
+                     r["own_ms"], r["own_ratio"]] for r in res["compare"]])
+    lines += ["", "Speed ratio: the public kernel's time over ours (>= 1: ours is as fast). Our `xformers` and `flex` "
+              "backends call the public kernels themselves with the same mask (flex's built from the variant's "
+              "predicate), so where one is our best the ratio measures our wrapper and mask_mod; the last three "
+              "columns are our own kernel, the block-sparse engine, against the same public kernel."]
     lines += ["", "Every kernel timed (first call: compilation and plans; BlockMask: its creation):", ""]
     lines += table(["pattern", "kernel", "status", "ms", "first call s", "BlockMask s", "note"],
                    [[r["label"], r["name"], r["status"], r.get("fwd_bwd_ms"), r.get("first_call_s"),
@@ -629,7 +688,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx.log(f"bench_gpu: steps {','.join(steps)} on {device} -> {out}")
         for step in steps:
             if not ctx.done(step):
-                {"roof": part_roof, "c": part_c, "d": part_d, "a": part_a}[step](ctx)
+                {"roof": part_roof, "c": part_c, "a-targets": lambda ctx: part_a(ctx, 1), "d": part_d,
+                 "a": part_a}[step](ctx)
                 ctx.log(f"step {step}: {'complete' if ctx.done(step) else 'not complete'}")
     res = summarize(ctx)
     for t in res["targets"]:

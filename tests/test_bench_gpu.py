@@ -144,11 +144,37 @@ def test_part_a_runs_what_the_targets_need_first(tmp_path):
     spec.loader.exec_module(bench)
     labels = [label for label, _, _ in bench.VARIANTS]
     ctx = bench.Context(bench.SMOKE_PLAN, tmp_path, torch.device("cpu"), None, print, labels)
-    steps = [step for step, *_ in bench.a_series(ctx)]
+    steps = [step for _, step, *_ in bench.a_series(ctx)]
     assert steps[0] == "a:full:n2" and sorted(steps) == sorted(set(steps))
     targets = [f"a:{t}" for t in bench.EXPONENT_TARGETS]
     assert steps[1:1 + len(targets)] == targets
     n2 = [i for i, s in enumerate(steps) if s.endswith(":n2") and s != "a:full:n2"]
     assert n2 and n2 == list(range(len(steps) - len(n2), len(steps)))  # the rest's N×N backends last
-    for step, variant, options, chosen in bench.a_series(ctx):
-        assert all((b in bench.N2_BACKENDS) == step.endswith(":n2") for b in chosen), step
+    for tier, step, variant, options, chosen in bench.a_series(ctx):
+        assert all(bench.n2(variant, b) == step.endswith(":n2") for b in chosen), step
+        assert (tier <= 1) == (step == "a:full:n2" or step in targets), step  # a-targets: before part d
+    assert not bench.n2("linear", "math") and bench.n2("full", "math") and bench.n2("sparse", "dense")
+
+
+def test_an_exponent_needs_every_length_of_its_range_and_memory_is_counted_exactly(smoke, tmp_path):
+    """A backend with a noisy (or failed, or missing) length in the fit's range is not fitted, so the
+    target cannot pass on what is left of the range; full math's measured peak is its own count."""
+    import shutil
+
+    tmp, _ = smoke
+    bench = tmp_path / "bench"
+    shutil.copytree(tmp / "bench", bench)
+    summary = json.loads((bench / "summary.json").read_text())
+    exact = {t["target"]: t for t in summary["targets"]}["math_exact"]
+    assert exact["value"] == pytest.approx(1.0, abs=0.02), exact  # float32 on CPU: the same count
+    (path,) = [p for p in (bench / "a" / "linear").rglob("results.jsonl") if "variant.backend=sdpa" in str(p)]
+    last = [json.loads(x) for x in path.read_text().splitlines() if x.strip()][-1]
+    with path.open("a") as f:  # the same point measured again, noisy: the later row is the one read
+        f.write(json.dumps({**last, "noisy": True, "noise_reasons": "fwd: IQR 50% of the median"}) + "\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--summary-only",
+                           "--out", str(bench), "--variants", ",".join(LABELS)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lin = {t["target"]: t for t in json.loads((bench / "summary.json").read_text())["targets"]}["exponent_linear"]
+    assert f"sdpa: not fitted (N={last['seq_len']} missing, failed or noisy)" in lin["detail"], lin
+    assert lin["detail"].startswith("math;") and "math: " in lin["detail"], lin
