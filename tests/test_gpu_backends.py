@@ -228,6 +228,16 @@ def test_backend_sets():
     assert "xformers" not in variants.build("sparse").backend_names()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_xformers_sliding_window_refuses_a_dtype_its_kernels_lack(dtype):
+    with pytest.raises(VariantError, match=f"backend 'xformers' runs the window only in float16 or bfloat16; "
+                                           f"got {str(dtype).removeprefix('torch.')}") as err:
+        xf.check_window_dtype(dtype)
+    assert "\n" not in str(err.value)
+    xf.check_window_dtype(torch.float16)
+    xf.check_window_dtype(torch.bfloat16)
+
+
 @pytest.mark.parametrize("options,named", [
     ({"dilation": 2}, "dilation=2"),
     ({"global_tokens": 3}, "global_tokens=3"),

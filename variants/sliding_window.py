@@ -82,5 +82,6 @@ class SlidingWindow(MaskedAttention):
 
             o = self.options
             xf.check_sliding_window(o.window, o.dilation, o.global_tokens)
+            xf.check_window_dtype(q.dtype)
             return xf.attention(q, k, v, xf.sliding_window_bias(o.window, q.shape[-2], causal), self.scale(q.shape[-1]))
         return super()._attend(q, k, v, causal, backend)

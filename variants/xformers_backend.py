@@ -101,6 +101,16 @@ def block_local_attention(q: Tensor, k: Tensor, v: Tensor, block_size: int, caus
     return out.reshape(B, N, H, D).transpose(1, 2)
 
 
+def check_window_dtype(dtype: torch.dtype) -> None:
+    """xformers' float32 kernel (cutlass) has no local-attention bias forward (non-causal) nor backward
+    (causal; xformers/ops/fmha/cutlass.py), and its flash kernel takes only 16-bit floats: one line here
+    instead of xformers' "no operator found" listing."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise VariantError(f"sliding_window: backend 'xformers' runs the window only in float16 or bfloat16; got "
+                           f"{str(dtype).removeprefix('torch.')} (use dtype=float16|bfloat16, or backend flex, "
+                           f"blocksparse or dense)")
+
+
 def check_sliding_window(window: int, dilation: int, global_tokens: int) -> None:
     unsupported = [f"{n}={v}" for n, v, ok in (("dilation", dilation, dilation == 1),
                                                 ("global_tokens", global_tokens, global_tokens == 0)) if not ok]
