@@ -22,6 +22,7 @@ from variants import VariantError, flex
 from variants.adaptive_span import AdaptiveSpan
 
 from .conftest import qkv
+from .test_gpu_backends import _floor as rounding_floor
 
 S, R = 40, 8  # max_span, ramp: the band (reach ⌈z⌉ + R − 1 ≤ 47) is narrower than N below
 LENGTHS = (1, 97, 200)  # 97: one chunk holds the band; 200: 4 chunks of 64 (the last ragged)
@@ -259,7 +260,7 @@ def test_gpu_flex_matches_reference(spans, dtype, causal):
     for name, g, w, n in zip(("out", "dq", "dk", "dv", "dz"), got, want, base):
         w = w.double()
         err, err_naive = (g.double() - w).abs().max().item(), (n.double() - w).abs().max().item()
-        floor = 2 * ((w + 0.3).to(dtype).double() - (w + 0.3)).abs().max().item()  # as tests/test_gpu_backends.py
+        floor = rounding_floor(w, dtype)
         assert err <= 2.0 * err_naive + floor, f"{name}: {err:.3e} > 2 x {err_naive:.3e} + {floor:.3e}"
 
 
