@@ -61,7 +61,7 @@ def _stats(times_ms: list[float]) -> Timing:
 def gpu_repeats(estimate_ms: float, opts: MeasureOptions) -> int:
     """Timed calls of a GPU pass: do_bench's ``rep / estimate`` (rep = min_run_time), but at least
     ``min_samples``, and no more than fit in ``max_run_time`` (at least one). do_bench itself times a
-    call longer than rep only once: at FA-1's shape every point past N≈8K would have no spread."""
+    call longer than rep / min_samples fewer times, one longer than rep once: no spread to judge."""
     fit = max(1, int(opts.max_run_time * 1e3 / max(estimate_ms, 1e-6)))
     return min(max(int(opts.min_run_time * 1e3 / max(estimate_ms, 1e-6)), opts.min_samples), fit)
 

@@ -8,8 +8,7 @@
 #    /tmp/site (put on PYTHONPATH; the node's own torch, CUDA and triton are used as they are).
 # 2. Prints nvidia-smi and the versions of torch, CUDA, triton, xformers, hydra and wandb.
 # 3. Runs the GPU tests once (`pytest -m gpu`: every GPU backend against the float64 reference; -n 4 where
-#    pytest-xdist is installed) into
-#    <results>/junit-gpu.xml and tests-gpu.log.
+#    pytest-xdist is installed) into <results>/junit-gpu.xml and tests-gpu.log.
 # 4. Runs scripts/bench_gpu.py --out <results> within what is left of JOB_BUDGET_S (default 520 s):
 #    the sweeps stop at the budget and resume on the next call; measured points are never measured again.
 # 5. Copies a few files into OUT (default /tmp/gpu_job_out) to take home: results.tar.gz (the results
@@ -99,7 +98,7 @@ fi
 
 # 4. the benchmark, resumable
 # Its budget leaves 60 s for a sweep to stop on SIGTERM (30 s) and the summary; the timeout's 60 s more
-# and a summary again keep the whole call within JOB_BUDGET_S + 35 s.
+# and a summary again keep the whole call within about JOB_BUDGET_S + 35 s.
 B=$(($(left) - 60))
 if [ "$B" -gt 30 ]; then
     echo "== python scripts/bench_gpu.py --out $BENCH_DIR --budget-s $B ${BENCH_ARGS:-}"
