@@ -9,10 +9,10 @@ skips the points it has, a finished step is not run again):
   roof  n×n×n torch.matmul in bf16 and fp16, triton.testing.do_bench median -> roof.json
   c     conf/sweep/fa2_full.yaml (FA-2/FA-3 shape: 16K tokens, hidden 2048, D 64/128, bf16, causal and
         not) with every full backend the device has -> c/<job>/
-  d     in one process, one kernel after another: each efficient variant's backends against the best public kernel for
-        its pattern (raw xformers, raw FlexAttention with the canonical mask_mod, SDPA on blocks), the
-        first call (compilation, BlockMask) timed apart; the harness's timing against raw do_bench of
-        the same callable -> d/compare.jsonl, d/overhead.json
+  d     in one process, one kernel after another: each efficient variant's backends against the best
+        public kernel for its pattern (raw xformers, raw FlexAttention with the canonical mask_mod, SDPA
+        on blocks), the first call (compilation, BlockMask) timed apart; the harness's timing against raw
+        do_bench of the same callable -> d/compare.jsonl, d/overhead.json
   a     conf/sweep/seq_len_scaling.yaml (FA-1 shape: B=16, H=8, D=64, fp16, N=128…65536) once per
         variant with every backend the device has (the other N×N backends last): the harness stops a
         series at its first oom -> a/<variant>/<job>/. Its sweeps that targets need (full's N×N backends
@@ -180,7 +180,10 @@ def a_series(ctx: Context, max_tier: int = 3) -> list[tuple[int, str, str, dict[
         names = backends(variant, options, ctx.device)
         for square in (False, True):
             chosen = [b for b in names if n2(variant, b) == square]
-            tier = 0 if label == "full" and square else 1 if label in EXPONENT_TARGETS and not square else 3 if square else 2
+            if square:
+                tier = 0 if label == "full" else 3
+            else:
+                tier = 1 if label in EXPONENT_TARGETS else 2
             if chosen:
                 series.append((tier, f"a:{label}{':n2' if square else ''}", variant, options, chosen))
     return [s for s in sorted(series, key=lambda s: s[0]) if s[0] <= max_tier]  # stable: VARIANTS' order in a tier
@@ -401,14 +404,17 @@ def overhead(ctx: Context) -> None:
                 t.requires_grad_()
             calls = {"fwd": lambda: attn(q, k, v), "fwd_bwd": lambda: attn(q, k, v).backward(dout)}
             calls["fwd_bwd"]()
-            raw = [{p: do_bench(c, rep=rep, grad_to_none=[q, k, v], return_mode="median") for p, c in calls.items()}]
+
+            def raw_times() -> dict[str, float]:
+                return {p: do_bench(c, rep=rep, grad_to_none=[q, k, v], return_mode="median") for p, c in calls.items()}
+            raw = [raw_times()]
             cfg = {"variant": {"_target_": type(attn).__module__.split(".")[0] + "." + type(attn).__name__,
                                "backend": backend},
                    "seq_lens": [N], "batch_size": B, "num_heads": H, "head_dim": D, "dtype": "float16",
                    "device": "cuda", "fidelity": {"enabled": False}, "logger": {"name": "none"},
                    "measure": {"passes": ["fwd", "fwd_bwd"], "memory": False, "min_run_time": rep / 1e3}}
             rec = run(cfg, output_dir=ctx.out / "d" / "overhead" / variant).rows[-1].record()
-            raw.append({p: do_bench(c, rep=rep, grad_to_none=[q, k, v], return_mode="median") for p, c in calls.items()})
+            raw.append(raw_times())
             for p in calls:
                 ref = (raw[0][p] + raw[1][p]) / 2
                 case[p] = {"harness_ms": rec[f"{p}_ms"], "raw_ms": [raw[0][p], raw[1][p]],

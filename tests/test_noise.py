@@ -252,7 +252,7 @@ def test_a_pass_not_measured_is_not_full_failing_and_seeds_are_separate_series()
 def test_others_load_makes_only_timings_noisy():
     """A point that timed nothing (quality or memory only) is not noisy for others' load: the profiler's
     memory replay and the task do not depend on it."""
-    from harness.measure import gpu_repeats, noise_reasons, time_fn
+    from harness.measure import noise_reasons
 
     busy = {"other_cpu_cores": 1.5}
     assert noise_reasons(busy, MeasureOptions(passes=())) == []
