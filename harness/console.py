@@ -59,11 +59,15 @@ def note(r: Result) -> str:
 
 class Display:
     """A sink of result rows (``add``, ``complete``) with a progress line; the run calls ``phase`` as it
-    measures. ``kept``: points an earlier run measured into the directory, shown first."""
+    measures. ``kept``: points an earlier run measured into the directory, shown first and said so;
+    ``again``: N -> what the stored row of a point measured again lacks."""
 
     def __init__(self, title: str, total: int, console: Console | None = None, task: bool = False,
-                 kept: Sequence[Result] = ()) -> None:
+                 kept: Sequence[Result] = (), again: dict[int, list[str]] | None = None) -> None:
         self.kept = list(kept)
+        self.resume_lines = ([f"kept from earlier runs into this directory, not measured again (resume): N="
+                              + ",".join(str(r.seq_len) for r in self.kept)] if self.kept else []) + [
+            f"N={n}: measured again, its stored row has no {', '.join(lacks)}" for n, lacks in (again or {}).items()]
         self.console = console or make_console()
         self.title = title
         self.task = task
@@ -84,6 +88,9 @@ class Display:
             self.live.start(refresh=True)
         else:
             self.console.print(self.title)
+        if self.live is None:
+            for text in self.resume_lines:
+                self.console.print(text, soft_wrap=True)
         for row in self.kept:
             self.add(row)
         return self
@@ -95,7 +102,8 @@ class Display:
             self.console.print(line)
 
     def view(self) -> Group:
-        return Group(self.table, self.notes, self.progress)
+        return Group(self.table, Text("".join(t + "\n" for t in self.resume_lines), style="dim"), self.notes,
+                     self.progress)
 
     def phase(self, seq_len: int, phase: str) -> None:
         self.progress.update(self.bar, description=f"N={seq_len}: {phase}")

@@ -1,9 +1,10 @@
 """The results store: result rows, their one schema and identity, and every read and write of them.
 
 One frozen ``Result`` per point (one variant configuration at one N), units in the field names, flat
-(the variant's options as ``opt_<name>`` columns), so the same record feeds the console, wandb,
-``results.jsonl``, ``results.csv`` and the plots. This module is the only place that reads or writes
-result files, and the only definition of what makes two rows the same point (``point_key``).
+(the variant's options as ``opt_<name>`` columns, the task's settings as ``task_opt_<name>``), so the
+same record feeds the console, wandb, ``results.jsonl``, ``results.csv`` and the plots. This module is
+the only place that reads or writes result files, and the only definition of what makes two rows the
+same point (``point_key``).
 
 What the store guarantees (the README's "Reliability" section lists the faults tried):
 - ``results.jsonl`` is append-only: a finished point is appended and flushed to disk before the next
@@ -42,6 +43,7 @@ import numpy as np
 STATUSES = ("ok", "oom", "skipped", "error", "nonfinite")
 JOB_STATES = ("running", "completed", "failed", "refused", "interrupted")
 OPT_PREFIX = "opt_"
+TASK_OPT_PREFIX = "task_opt_"
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class Result:
     device: str
     causal: bool
     seed: int
+    # measure.param_grads where the variant has parameters (linear's E, F; adaptive_span's z): whether the
+    # timed passes also took their gradients. None: it has none (the setting changes nothing)
+    param_grads: bool | None
     status: str  # ok | oom | skipped | error | nonfinite
     reason: str | None  # why a point is not ok (one line)
     # Time: medians and interquartile ranges of one call, and how many samples they come from
@@ -132,17 +137,24 @@ class Result:
     date: str | None  # UTC, ISO 8601, when the point finished
     # The variant's options as built (defaults included): ((name, value), ...), written as opt_<name>
     options: tuple[tuple[str, Any], ...] = ()
+    # The task's settings (harness.quality.task_options: every MQARConfig field that applies to the
+    # variant, seq_len as configured), written as task_opt_<name>; () when no task ran
+    task_options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_record(cls, rec: dict[str, Any]) -> "Result":
         """The inverse of ``record``: a row read back from results.jsonl (missing fields become None)."""
-        options = tuple((k[len(OPT_PREFIX):], v) for k, v in rec.items() if k.startswith(OPT_PREFIX))
-        return cls(**{name: rec.get(name) for name in FIELDS}, options=options)
+        def prefixed(prefix: str) -> tuple[tuple[str, Any], ...]:
+            return tuple((k[len(prefix):], v) for k, v in rec.items() if k.startswith(prefix))
+
+        return cls(**{name: rec.get(name) for name in FIELDS}, options=prefixed(OPT_PREFIX),
+                   task_options=prefixed(TASK_OPT_PREFIX))
 
     def record(self) -> dict[str, Any]:
         """The flat form written to JSONL and CSV: plain JSON values only."""
-        row = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "options"}
-        row.update({f"{OPT_PREFIX}{name}": _plain(value) for name, value in self.options})
+        row = {name: _plain(getattr(self, name)) for name in FIELDS}
+        for prefix, pairs in ((OPT_PREFIX, self.options), (TASK_OPT_PREFIX, self.task_options)):
+            row.update({f"{prefix}{name}": _plain(value) for name, value in pairs})
         return row
 
 
@@ -162,7 +174,7 @@ def _plain(x: Any) -> Any:
     return x
 
 
-FIELDS = tuple(f.name for f in dataclasses.fields(Result) if f.name != "options")
+FIELDS = tuple(f.name for f in dataclasses.fields(Result) if f.name not in ("options", "task_options"))
 BACKWARD_FLOPS_FACTOR = 2.5  # flash-attention's convention
 
 
@@ -174,9 +186,11 @@ def tflops(flops: int | None, ms: float | None) -> float | None:
 
 # ----- the one schema and the one identity ---------------------------------------------------------
 
-# What says which measurement a row is. Two rows with equal keys are the same point: a rerun skips it,
-# the report draws them as one point. Seed, inputs and task are part of it, so a seed sweep is several
-# series, never one whose last seed wins.
+# What says which measurement a row is: these fields, the variant's options (opt_*), the task's settings
+# (task_opt_*) and param_grads. Two rows with equal keys are the same point: a rerun skips it, the report
+# draws them as one point. Whatever changes the numbers is part of it (seeds, inputs, the task's training
+# settings), so a sweep over any of them is several series, never one whose last value wins or, on resume,
+# a stored point returned for a different setting.
 IDENTITY_FIELDS = ("variant", "backend", "seq_len", "batch_size", "num_heads", "head_dim", "dtype", "device",
                    "causal", "seed", "inputs", "task")
 REQUIRED = tuple(f for f in IDENTITY_FIELDS if f not in ("inputs", "task")) + ("status",)
@@ -187,7 +201,7 @@ def _schema() -> dict[str, tuple[tuple[type, ...], bool]]:
     """field -> (accepted types, may be null), read from Result's annotations: one definition."""
     schema = {}
     for f in dataclasses.fields(Result):
-        if f.name == "options":
+        if f.name in ("options", "task_options"):
             continue
         names = [t.strip() for t in str(f.type).split("|")]
         schema[f.name] = (tuple(t for n in names if n != "None" for t in _TYPES[n]), "None" in names)
@@ -225,11 +239,11 @@ def _hashable(v: Any) -> Any:
     return json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else v
 
 
-def options_of(row: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """The row's variant options without the prefix, sorted; null ones dropped (absent == null), and the
-    backend, which is its own field."""
-    return tuple(sorted((k[len(OPT_PREFIX):], _hashable(v)) for k, v in row.items()
-                        if k.startswith(OPT_PREFIX) and k != f"{OPT_PREFIX}backend" and v is not None))
+def options_of(row: dict[str, Any], prefix: str = OPT_PREFIX) -> tuple[tuple[str, Any], ...]:
+    """The row's variant options (or, with TASK_OPT_PREFIX, its task's settings) without the prefix,
+    sorted; null ones dropped (absent == null), and the variant's backend, which is its own field."""
+    return tuple(sorted((k[len(prefix):], _hashable(v)) for k, v in row.items()
+                        if k.startswith(prefix) and k != f"{OPT_PREFIX}backend" and v is not None))
 
 
 class Series(NamedTuple):
@@ -246,12 +260,15 @@ class Series(NamedTuple):
     seed: Any = 0
     inputs: Any = None
     task: Any = None
+    task_opts: tuple[tuple[str, Any], ...] = ()
+    param_grads: bool = False  # absent (rows from before the field, variants without parameters): False
 
 
 def series_key(row: dict[str, Any]) -> Series:
     return Series(row.get("variant"), row.get("backend"), options_of(row), row.get("causal"), row.get("dtype"),
                   row.get("device"), (batch_label(row), row.get("num_heads"), row.get("head_dim")),
-                  row.get("seed"), row.get("inputs"), row.get("task"))
+                  row.get("seed"), row.get("inputs"), row.get("task"), options_of(row, TASK_OPT_PREFIX),
+                  bool(row.get("param_grads")))
 
 
 def batch_label(row: dict[str, Any]) -> Any:
@@ -260,8 +277,8 @@ def batch_label(row: dict[str, Any]) -> Any:
 
 
 def point_key(row: dict[str, Any]) -> tuple:
-    """The identity of a point (IDENTITY_FIELDS and the options): the one definition, used to resume,
-    to count and to draw."""
+    """The identity of a point (IDENTITY_FIELDS, the options, the task's settings and param_grads): the one
+    definition, used to resume, to count and to draw."""
     return (*series_key(row), row.get("seq_len"))
 
 

@@ -25,8 +25,8 @@ from .config import DEFAULT_BUDGET_SHARE, ConfigError, Settings, one_line, setti
 from .console import Display
 from .logger import sweep_group_name, wandb_run
 from .measure import measure_point, noise_reasons, timer_name
-from .quality import quality, task_config
-from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, JobStatus, LockedError, Result, ResultStore, Sink,
+from .quality import quality, task_config, task_options
+from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, TASK_OPT_PREFIX, JobStatus, LockedError, Result, ResultStore, Sink,
                       Sweep, fit_exponents, point_key, series_key, tflops, write_json)
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -176,23 +176,24 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
     budget = memory_budget_bytes(settings, device)
     if team is not None and budget is not None:  # the ranks on this machine share it
         budget //= attn.world_size
-    options = tuple(dataclasses.asdict(attn.options).items())
     label = variant_label(attn)
     title = (f"{label} on {device.type} ({environment.device_name}), {settings.dtype}, "
              f"B={settings.batch_size if settings.tokens_per_batch is None else f'{settings.tokens_per_batch}/N'} "
              f"H={settings.num_heads} D={settings.head_dim}"
              f"{' causal' if settings.causal else ''} -> {out_dir}")
     config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    wanted = {point_key(point_identity(attn, settings, device, n, options)): n for n in settings.seq_lens}
+    wanted = wanted_points(attn, settings, device)
     stored = store.current()
-    # Measured by an earlier run into this directory (and written and logged by it): shown and counted
-    kept = [Result.from_record(stored[key]) for key in wanted
-            if key in stored and not retried(stored[key], settings.retry)]
+    # Measured by an earlier run into this directory (and written and logged by it): shown and counted,
+    # unless retried or lacking what this run measures (then measured again: the new row supersedes)
+    resumed = {key: stored[key] for key in wanted if key in stored and not retried(stored[key], settings.retry)}
+    again = {wanted[key]: lacks for key, row in resumed.items() if (lacks := lacking(row, settings))}
+    kept = [Result.from_record(row) for key, row in resumed.items() if wanted[key] not in again]
     done: list[Result] = list(kept)
-    display = Display(title, len(settings.seq_lens), task=settings.task is not None, kept=kept)
+    display = Display(title, len(settings.seq_lens), task=settings.task is not None, kept=kept, again=again)
     status = JobStatus(out_dir, len(settings.seq_lens), done=kept)
     # This series' points in the directory, the run's lengths or not (stop_on_oom looks at all of them)
-    series = series_key(point_identity(attn, settings, device, settings.seq_lens[0], options))
+    series = series_key(point_identity(attn, settings, device, settings.seq_lens[0]))
     series_rows = {key: row for key, row in stored.items() if series_key(row) == series}
     task_cache: dict[int, dict[str, Any]] = {}  # task.seq_len fixed: trained once, reused at every point
     try:
@@ -210,7 +211,7 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
                 if key in measured:
                     continue
                 stop = stopped_by(series_rows.values(), seq_len) if settings.stop_on_oom else None
-                row = run_point(attn, settings, seq_len, device, environment, budget, options, stop=stop,
+                row = run_point(attn, settings, seq_len, device, environment, budget, stop=stop,
                                 on_phase=lambda phase, n=seq_len: display.phase(n, phase),
                                 task_log=lambda step, m, n=seq_len: logger.log_task_step(n, step, m),
                                 task_cache=task_cache, measure=team.measure if team else measure_quietest)
@@ -267,15 +268,39 @@ def retried(row: Mapping[str, Any], retry: tuple[str, ...]) -> bool:
     return row["status"] in retry or ("noisy" in retry and bool(row.get("noisy")))
 
 
-def point_identity(attn: variants.Attention, s: Settings, device: torch.device, seq_len: int,
-                   options: tuple = ()) -> dict[str, Any]:
-    """The fields that say which measurement a point is: the start of its record, and (with the options)
-    what ``results.point_key`` compares."""
+def lacking(row: Mapping[str, Any], s: Settings) -> list[str]:
+    """What this run measures that a stored ok point lacks (it was measured with fewer ``measure.passes``,
+    without ``measure.memory``, or past a lower ``fidelity.max_seq_len``): such a point is measured again
+    rather than returned without them."""
+    if row["status"] != "ok":
+        return []
+    lacks = [f"{name} time" for name in s.measure.passes if row.get(f"{name}_ms") is None]
+    if s.measure.memory and row.get("peak_mem_bytes") is None:
+        lacks.append("peak memory")
+    f = s.fidelity
+    if (f.enabled and (f.max_seq_len is None or row["seq_len"] <= f.max_seq_len) and row.get("out_rel_err") is None
+            and "fidelity.max_seq_len" in (row.get("quality_reason") or "")):
+        lacks.append("fidelity")
+    return lacks
+
+
+def wanted_points(attn: variants.Attention, s: Settings, device: torch.device) -> dict[tuple, int]:
+    """point_key -> N of every point the run asks for."""
+    return {point_key(point_identity(attn, s, device, n)): n for n in s.seq_lens}
+
+
+def point_identity(attn: variants.Attention, s: Settings, device: torch.device, seq_len: int) -> dict[str, Any]:
+    """The fields that say which measurement a point is (``results.point_key`` compares them): the start
+    of its record, the variant's options (opt_*) and the task's settings (task_opt_*) included."""
+    has_parameters = any(True for _ in attn.parameters())
     return dict(variant=attn.name, backend=attn.backend, seq_len=seq_len, batch_size=s.batch_at(seq_len),
-                tokens_per_batch=s.tokens_per_batch, num_heads=s.num_heads, head_dim=s.head_dim, dtype=s.dtype, device=device.type, causal=s.causal,
+                tokens_per_batch=s.tokens_per_batch, num_heads=s.num_heads, head_dim=s.head_dim, dtype=s.dtype,
+                device=device.type, causal=s.causal,
                 seed=s.seed, inputs=s.inputs if s.fidelity.enabled else None,
                 task="mqar" if s.task is not None else None,
-                **{f"{OPT_PREFIX}{k}": v for k, v in options})
+                param_grads=s.measure.param_grads if has_parameters else None,
+                **{f"{OPT_PREFIX}{k}": v for k, v in dataclasses.asdict(attn.options).items()},
+                **{f"{TASK_OPT_PREFIX}{k}": v for k, v in task_options(s, attn, seq_len)})
 
 
 def sweep_group(s: Settings) -> str | None:
@@ -291,15 +316,16 @@ def sweep_group(s: Settings) -> str | None:
 
 
 def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device,
-              environment: envmod.Environment, budget: int | None, options: tuple,
+              environment: envmod.Environment, budget: int | None,
               on_phase=lambda phase: None, task_log=None, task_cache: dict | None = None,
               stop: str | None = None, measure=None) -> Result:
     """One point measured (by ``measure``, default measure_quietest; or, with ``stop``, recorded skipped
     with that reason): never raises for a failure of the point itself."""
     B, H, N, D = s.batch_at(seq_len), s.num_heads, seq_len, s.head_dim
     element_size = torch.empty((), dtype=s.torch_dtype).element_size()
+    identity = point_identity(attn, s, device, N)
     rec: dict[str, Any] = dict.fromkeys(FIELDS)
-    rec.update(**point_identity(attn, s, device, N), status="ok", timer=timer_name(device, s.measure),
+    rec.update({k: v for k, v in identity.items() if k in FIELDS}, status="ok", timer=timer_name(device, s.measure),
                **{k: v for k, v in environment.as_dict().items() if k in FIELDS})
     oom = False
     try:
@@ -340,7 +366,7 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
     if rec["status"] == "ok":
         quality(attn, s, seq_len, device, rec, on_phase, task_log, task_cache if task_cache is not None else {})
     rec["date"] = envmod.now()
-    return Result(**rec, options=options)
+    return Result.from_record({**identity, **rec})
 
 
 def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device,

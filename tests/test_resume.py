@@ -15,10 +15,12 @@ import sys
 import time
 
 import pytest
+import yaml
 
-from harness.results import read_jsonl
-from harness.run import run
+from harness.results import point_key, read_jsonl
+from harness.run import lacking, run, validate, wanted_points
 
+from .conftest import ROOT
 from .test_harness import compose_cfg
 
 SEQ_LENS = [32, 48, 64, 80, 96, 112]
@@ -143,3 +145,77 @@ def test_a_job_that_cannot_run_is_refused_in_one_line_and_the_sweep_goes_on(tmp_
     refused = json.loads((linear / "status.json").read_text())
     assert refused["state"] == "refused" and not (linear / "results.jsonl").exists()
     assert json.loads((full / "status.json").read_text())["state"] == "completed"
+
+
+# ----- what a stored point answers for --------------------------------------------------------------
+
+TINY_TASK = ("task=mqar", "task.seq_len=32", "task.vocab_size=16", "task.num_kv_pairs=4", "task.num_queries=4",
+             "task.d_model=16", "task.steps=4", "task.eval_every=2", "task.eval_size=8", "task.batch_size=4")
+QUICK = ("seq_lens=[32]", "num_heads=2", "head_dim=8", "measure.passes=[fwd]", "measure.memory=false",
+         "measure.min_run_time=0.01", "measure.min_samples=2", "fidelity.enabled=false", "logger=none")
+
+
+def test_a_different_task_setting_is_another_point_never_the_stored_one(tmp_path):
+    """Every task setting that changes the accuracy is part of the point: resuming with task.seed=1 must
+    train again (a stored seed-0 row returned for it would be a wrong number, silently)."""
+    run(compose_cfg("variant=full", *QUICK, *TINY_TASK), output_dir=tmp_path)
+    run(compose_cfg("variant=full", *QUICK, *TINY_TASK, "task.seed=1"), output_dir=tmp_path)
+    run(compose_cfg("variant=full", *QUICK, *TINY_TASK, "task.steps=6"), output_dir=tmp_path)
+    run(compose_cfg("variant=full", *QUICK, *TINY_TASK, "task.seed=1"), output_dir=tmp_path)  # stored: kept
+    rows = read_jsonl(tmp_path / "results.jsonl")
+    assert [(r["task_opt_seed"], r["task_opt_steps"]) for r in rows] == [(0, 4), (1, 4), (0, 6)]
+    assert all(r["task_accuracy"] is not None for r in rows)
+    # Every setting is written, defaults included; seq_len as configured; span_penalty only where it applies.
+    assert rows[0]["task_opt_lr"] == 3e-3 and rows[0]["task_opt_seq_len"] == 32 and "task_opt_span_penalty" not in rows[0]
+    from harness.report.collect import series_key, series_labels
+
+    assert sorted(series_labels(series_key(r) for r in rows).values()) == [
+        "full/sdpa task.seed=0 task.steps=4", "full/sdpa task.seed=0 task.steps=6", "full/sdpa task.seed=1 task.steps=4"]
+    run(compose_cfg("variant=adaptive_span", *QUICK, *TINY_TASK), output_dir=tmp_path / "span")
+    (span,) = read_jsonl(tmp_path / "span" / "results.jsonl")
+    assert span["task_opt_span_penalty"] == 2e-6
+
+
+def test_param_grads_is_part_of_the_point_only_where_the_variant_has_parameters(tmp_path):
+    for name in ("linear", "full"):
+        run(compose_cfg(f"variant={name}", *QUICK), output_dir=tmp_path / name)
+        run(compose_cfg(f"variant={name}", *QUICK, "measure.param_grads=true"), output_dir=tmp_path / name)
+    assert [r["param_grads"] for r in read_jsonl(tmp_path / "linear" / "results.jsonl")] == [False, True]
+    assert [r["param_grads"] for r in read_jsonl(tmp_path / "full" / "results.jsonl")] == [None]
+
+
+def test_a_stored_point_without_what_this_run_measures_is_measured_again(tmp_path, capsys):
+    """A quality-only run (no passes, no memory) resumed with timings must time the point, not return the
+    stored row without them; the stored row stays in the file, the new one supersedes it."""
+    quality_only = ("measure.passes=[]", "fidelity.max_seq_len=16")
+    run(compose_cfg("variant=full", *QUICK, "fidelity.enabled=true", *quality_only), output_dir=tmp_path)
+    (first,) = read_jsonl(tmp_path / "results.jsonl")
+    assert first["fwd_ms"] is None and first["out_rel_err"] is None and "fidelity.max_seq_len" in first["quality_reason"]
+    capsys.readouterr()
+    run(compose_cfg("variant=full", *QUICK, "fidelity.enabled=true", "measure.memory=true"), output_dir=tmp_path)
+    assert "N=32: measured again, its stored row has no fwd time, peak memory, fidelity" in capsys.readouterr().out
+    rows = read_jsonl(tmp_path / "results.jsonl")
+    assert len(rows) == 2 and rows[0] == first
+    assert rows[1]["fwd_ms"] > 0 and rows[1]["peak_mem_bytes"] is not None and rows[1]["out_rel_err"] < 1e-5
+    # Complete now: the same command, or one asking for less, measures nothing.
+    for args in (("fidelity.enabled=true", "measure.memory=true"), ("fidelity.enabled=true",)):
+        run(compose_cfg("variant=full", *QUICK, *args), output_dir=tmp_path)
+        assert "kept from earlier runs into this directory, not measured again (resume): N=32" in capsys.readouterr().out
+    assert len(read_jsonl(tmp_path / "results.jsonl")) == 2
+
+
+def test_the_committed_quality_runs_resume_with_their_own_commands():
+    """Each results/quality/ folder's command (its .hydra/overrides.yaml) rerun into it would measure
+    nothing: every point it asks for is stored, under today's identity, with everything it measures."""
+    folders = sorted(p for p in (ROOT / "results" / "quality").iterdir() if p.is_dir())
+    assert len(folders) >= 8
+    for folder in folders:
+        overrides = folder / ".hydra" / "overrides.yaml"
+        # sliding_window_mqar predates the saved overrides: its command is in its SUMMARY.md
+        args = (yaml.safe_load(overrides.read_text()) if overrides.exists()
+                else ["variant=sliding_window", "seq_lens=[256,512,1024]", "task=mqar"])
+        settings, attn, device = validate(compose_cfg(*args, "device=cpu"))
+        stored = {point_key(r): r for r in read_jsonl(folder / "results.jsonl")}
+        for key, n in wanted_points(attn, settings, device).items():
+            assert key in stored, (folder.name, n)
+            assert lacking(stored[key], settings) == [], (folder.name, n)

@@ -31,6 +31,18 @@ def task_config(settings: Settings, seq_len: int):
         raise ConfigError(f"task=mqar at N={seq_len}: {one_line(e).removeprefix('mqar config: ')}") from None
 
 
+def task_options(settings: Settings, attn: variants.Attention, seq_len: int) -> tuple[tuple[str, Any], ...]:
+    """The task's settings as part of a point's identity: every MQARConfig field (defaults filled in),
+    ``seq_len`` as configured (null: each point's N), ``span_penalty`` only for a variant with a
+    regulariser (it changes nothing for the others). () without a task."""
+    if settings.task is None:
+        return ()
+    values = dataclasses.asdict(task_config(settings, seq_len))
+    values["seq_len"] = settings.task.get("seq_len")
+    if attn.regulariser() is None:
+        del values["span_penalty"]
+    return tuple(sorted(values.items()))
+
 
 def quality(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device, rec: dict[str, Any],
             on_phase, task_log, task_cache: dict[int, dict[str, Any]]) -> None:

@@ -3,7 +3,8 @@
 Rows come from ``harness.results`` (``load_rows``: every results.jsonl under a directory, checked, one
 row per point). A *point* is one measurement configuration (``results.point_key``); a *series* is one
 line in a plot: the point without ``seq_len`` (``results.series_key``). Labels name a series by what
-distinguishes it, e.g. ``sliding_window[window=256]/blocksparse``, ``full/sdpa seed=1``.
+distinguishes it, e.g. ``sliding_window[window=256]/blocksparse``, ``full/sdpa seed=1``,
+``full/sdpa task.seed=1``.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
-from harness.results import (OPT_PREFIX, STATUSES, InputError, Series, load_rows, point_key,  # noqa: F401
-                             series_key, write_csv)
+from harness.results import (OPT_PREFIX, STATUSES, TASK_OPT_PREFIX, InputError, Series, load_rows,  # noqa: F401
+                             point_key, series_key, write_csv)
 
 FULL = "full"  # the variant every other one is compared with
 CORE_FIELDS = (
     "variant", "backend", "seq_len", "batch_size", "num_heads", "head_dim", "dtype", "device", "causal",
-    "seed", "inputs", "task", "status", "reason", "noisy", "noise_reasons", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
-    "fwd_iqr_ms", "bwd_iqr_ms", "fwd_bwd_iqr_ms", "peak_mem_bytes", "peak_mem_abs_bytes", "flops_fwd",
+    "seed", "inputs", "task", "param_grads", "status", "reason", "noisy", "noise_reasons", "fwd_ms", "bwd_ms",
+    "fwd_bwd_ms", "fwd_iqr_ms", "bwd_iqr_ms", "fwd_bwd_iqr_ms", "peak_mem_bytes", "peak_mem_abs_bytes", "flops_fwd",
     "flops_fwd_useful", "tflops_fwd", "density", "analytic_mem_bytes",
 )
 QUALITY_FIELDS = ("out_rel_err", "out_cos", "out_max_abs_err", "grad_rel_err", "mass_kept",
@@ -43,7 +44,9 @@ def series_labels(keys: Iterable[Series]) -> dict[Series, str]:
     for k in keys:
         by_variant[k.variant].append(k)
     differs = {f: len({getattr(k, f) for k in keys}) > 1
-               for f in ("causal", "dtype", "device", "shape", "seed", "inputs", "task")}
+               for f in ("causal", "dtype", "device", "shape", "seed", "inputs", "task", "param_grads")}
+    task_dicts = [dict(k.task_opts) for k in keys]  # task settings that differ anywhere: task.<name>=<value>
+    task_shown = [n for n in sorted({n for d in task_dicts for n in d}) if len({d.get(n) for d in task_dicts}) > 1]
     labels = {}
     for variant, ks in by_variant.items():
         opt_dicts = [dict(k.opts) for k in ks]
@@ -63,9 +66,10 @@ def series_labels(keys: Iterable[Series]) -> dict[Series, str]:
                 label += f" @{k.device}"
             if differs["shape"]:
                 label += " B={},H={},D={}".format(*k.shape)
-            for f in ("seed", "inputs", "task"):
+            for f in ("seed", "inputs", "task", "param_grads"):
                 if differs[f]:
                     label += f" {f}={getattr(k, f)}"
+            label += "".join(f" task.{n}={dict(k.task_opts).get(n)}" for n in task_shown)
             labels[k] = label
     seen: dict[str, int] = defaultdict(int)  # belt and braces: never two series with one label
     for k in keys:
@@ -100,8 +104,9 @@ def columns(rows: Iterable[dict[str, Any]]) -> list[str]:
     """Core fields first, then options, quality, and whatever else the rows carry (environment)."""
     seen = list(dict.fromkeys(k for r in rows for k in r))
     opts = [k for k in seen if k.startswith(OPT_PREFIX)]
-    known = set(CORE_FIELDS) | set(QUALITY_FIELDS) | set(opts)
-    return ([k for k in CORE_FIELDS if k in seen] + opts + [k for k in QUALITY_FIELDS if k in seen]
+    task_opts = [k for k in seen if k.startswith(TASK_OPT_PREFIX)]
+    known = set(CORE_FIELDS) | set(QUALITY_FIELDS) | set(opts) | set(task_opts)
+    return ([k for k in CORE_FIELDS if k in seen] + opts + [k for k in QUALITY_FIELDS if k in seen] + task_opts
             + [k for k in seen if k not in known])
 
 
