@@ -282,6 +282,12 @@ def point_key(row: dict[str, Any]) -> tuple:
     return (*series_key(row), row.get("seq_len"))
 
 
+def machine(row: dict[str, Any]) -> tuple[Any, Any]:
+    """(device_name, num_threads) of a row or an environment: the machine a time or a memory peak
+    belongs to (a resumed run measures again what another machine measured: harness.run.lacking)."""
+    return row.get("device_name"), row.get("num_threads")
+
+
 def latest(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per point: the last one (a re-measured point supersedes its earlier rows), in the order
     of those last rows."""

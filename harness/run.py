@@ -27,7 +27,7 @@ from .logger import sweep_group_name, wandb_run
 from .measure import measure_point, noise_reasons, timer_name
 from .quality import quality, task_config, task_options
 from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, TASK_OPT_PREFIX, JobStatus, LockedError, Result, ResultStore, Sink,
-                      Sweep, fit_exponents, point_key, series_key, tflops, write_json)
+                      Sweep, fit_exponents, machine, point_key, series_key, tflops, write_json)
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -187,7 +187,8 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
     # Measured by an earlier run into this directory (and written and logged by it): shown and counted,
     # unless retried or lacking what this run measures (then measured again: the new row supersedes)
     resumed = {key: stored[key] for key in wanted if key in stored and not retried(stored[key], settings.retry)}
-    again = {wanted[key]: lacks for key, row in resumed.items() if (lacks := lacking(row, settings))}
+    here = machine(environment.as_dict())
+    again = {wanted[key]: lacks for key, row in resumed.items() if (lacks := lacking(row, settings, here))}
     kept = [Result.from_record(row) for key, row in resumed.items() if wanted[key] not in again]
     done: list[Result] = list(kept)
     display = Display(title, len(settings.seq_lens), task=settings.task is not None, kept=kept, again=again)
@@ -268,10 +269,14 @@ def retried(row: Mapping[str, Any], retry: tuple[str, ...]) -> bool:
     return row["status"] in retry or ("noisy" in retry and bool(row.get("noisy")))
 
 
-def lacking(row: Mapping[str, Any], s: Settings) -> list[str]:
-    """What this run measures that a stored ok point lacks (it was measured with fewer ``measure.passes``,
-    without ``measure.memory``, or past a lower ``fidelity.max_seq_len``): such a point is measured again
-    rather than returned without them."""
+def lacking(row: Mapping[str, Any], s: Settings, here: tuple[Any, Any] | None = None) -> list[str]:
+    """What this run measures that a stored point lacks: a time or memory measured on this machine
+    (``here``: its ``machine``; a stored oom or skip belongs to its machine too), or, at an ok point, a
+    pass of ``measure.passes``, ``measure.memory``, fidelity past a lower ``fidelity.max_seq_len``. Such a
+    point is measured again rather than returned without them. Quality-only runs ignore the machine."""
+    if here is not None and (s.measure.passes or s.measure.memory) and machine(row) != here:
+        name, threads = machine(row)
+        return [f"measurement on this machine (it was measured on {name}, {threads} threads)"]
     if row["status"] != "ok":
         return []
     lacks = [f"{name} time" for name in s.measure.passes if row.get(f"{name}_ms") is None]

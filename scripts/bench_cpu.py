@@ -26,8 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness.env import OtherLoad, mem_available_bytes  # noqa: E402
-from harness.results import Result, fit_exponents, read_jsonl, write_csv, write_json  # noqa: E402
+import torch  # noqa: E402
+
+from harness.env import OtherLoad, cpu_name, mem_available_bytes  # noqa: E402
+from harness.results import Result, fit_exponents, latest, machine, read_jsonl, write_csv, write_json  # noqa: E402
 
 CONFIGS = {  # name -> overrides of conf/config.yaml
     "full_math": ["variant=full", "variant.backend=math"],
@@ -71,7 +73,8 @@ def main() -> None:
     ap.add_argument("--round-max-s", type=float, default=60.0,
                     help="measure a point again only when that takes at most this long (estimated)")
     ap.add_argument("--resume", action="store_true",
-                    help="reuse a round's earlier results in --out when they cover its lengths")
+                    help="reuse a round's earlier results in --out when they cover its lengths (results taken on "
+                         "another machine are not reused: the harness measures those points again)")
     ap.add_argument("--wait-s", type=float, default=60.0, help="longest wait for a quiet machine before a run")
     ap.add_argument("--glibc-default", action="store_true",
                     help=f"keep glibc's default allocator settings (otherwise re-run with {ALLOCATOR_ENV})")
@@ -168,12 +171,16 @@ def again(vdir: Path, args) -> list[int]:
 
 
 def candidates(vdir: Path, rounds: bool = True) -> dict[int, list[Result]]:
-    """Every measurement of each N in a variant's directory: the first round's and the later rounds'."""
+    """Every measurement of each N in a variant's directory taken on this machine (CPU model and threads):
+    the first round's and the later rounds', each the point's latest row in its directory (a point
+    measured again supersedes its earlier row there; both stay in the file)."""
+    here = (cpu_name(), torch.get_num_threads())
     found: dict[int, list[Result]] = {}
     for path in [vdir / "results.jsonl", *(sorted(vdir.glob("round-*/results.jsonl")) if rounds else [])]:
         if path.exists():
-            for rec in read_jsonl(path):
-                found.setdefault(rec["seq_len"], []).append(Result.from_record(rec))
+            for rec in latest(read_jsonl(path)):
+                if machine(rec) == here:
+                    found.setdefault(rec["seq_len"], []).append(Result.from_record(rec))
     return found
 
 

@@ -52,3 +52,28 @@ def test_rounds_below_one_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--rounds must be at least 1, got 0" in done.stderr.splitlines()[-1]
     assert "Traceback" not in done.stderr and not any(tmp_path.iterdir())
+
+
+def test_the_rounds_are_this_machines_latest_rows(tmp_path):
+    """A point measured again counts once (its latest row), and rows another machine took are not rounds
+    of this one's benchmark (a resumed benchmark measures them again)."""
+    import importlib.util
+
+    import torch
+
+    from harness.env import cpu_name
+
+    spec = importlib.util.spec_from_file_location("bench_cpu", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    here = {"device_name": cpu_name(), "num_threads": torch.get_num_threads()}
+    point = {"variant": "full", "backend": "sdpa", "batch_size": 1, "num_heads": 4, "head_dim": 64,
+             "dtype": "float32", "device": "cpu", "causal": False, "seed": 0}
+    rows = [{**point, **here, "seq_len": 128, "status": "ok", "fwd_bwd_ms": 2.0},
+            {**point, **here, "seq_len": 128, "status": "ok", "fwd_bwd_ms": 1.0},  # measured again: supersedes
+            {**point, "device_name": "Another CPU", "num_threads": 2, "seq_len": 256, "status": "ok", "fwd_bwd_ms": 3.0}]
+    (tmp_path / "round-2").mkdir()
+    for path in (tmp_path / "results.jsonl", tmp_path / "round-2" / "results.jsonl"):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = bench.candidates(tmp_path)
+    assert list(found) == [128] and [r.fwd_bwd_ms for r in found[128]] == [1.0, 1.0]

@@ -219,3 +219,29 @@ def test_the_committed_quality_runs_resume_with_their_own_commands():
         for key, n in wanted_points(attn, settings, device).items():
             assert key in stored, (folder.name, n)
             assert lacking(stored[key], settings) == [], (folder.name, n)
+
+
+def test_a_point_measured_on_another_machine_is_timed_again_here(tmp_path, capsys):
+    """Times and memory belong to the machine (CPU model and threads, or GPU) that took them: resuming a
+    directory on another machine measures the points again rather than mixing machines in one series.
+    A quality-only run does not depend on the machine: its points are kept."""
+    def moved_to_another_machine(path):
+        rows = read_jsonl(path / "results.jsonl")
+        path.joinpath("results.jsonl").write_text("".join(json.dumps({**r, "device_name": "Another CPU"}) + "\n"
+                                                          for r in rows))
+
+    timed, quality_only = tmp_path / "timed", tmp_path / "quality"
+    run(compose_cfg("variant=full", *QUICK), output_dir=timed)
+    run(compose_cfg("variant=full", *QUICK, "measure.passes=[]", "fidelity.enabled=true"), output_dir=quality_only)
+    for path in (timed, quality_only):
+        moved_to_another_machine(path)
+    capsys.readouterr()
+    run(compose_cfg("variant=full", *QUICK), output_dir=timed)
+    out = capsys.readouterr().out
+    assert "N=32: measured again, its stored row has no measurement on this machine (it was measured on " \
+           "Another CPU, " in out
+    rows = read_jsonl(timed / "results.jsonl")
+    assert [r["device_name"] == "Another CPU" for r in rows] == [True, False]
+    run(compose_cfg("variant=full", *QUICK, "measure.passes=[]", "fidelity.enabled=true"), output_dir=quality_only)
+    assert "kept from earlier runs" in capsys.readouterr().out
+    assert len(read_jsonl(quality_only / "results.jsonl")) == 1
