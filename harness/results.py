@@ -283,9 +283,9 @@ def point_key(row: dict[str, Any]) -> tuple:
 
 
 def machine(row: dict[str, Any]) -> tuple[Any, Any]:
-    """(device_name, num_threads) of a row or an environment: the machine a time or a memory peak
-    belongs to (a resumed run measures again what another machine measured: harness.run.lacking)."""
-    return row.get("device_name"), row.get("num_threads")
+    """The machine a row's time and memory peak belong to: (device_name, num_threads) on CPU, (GPU name,
+    None) on a GPU. A resumed run measures again what another machine measured (harness.run.lacking)."""
+    return row.get("device_name"), row.get("num_threads") if row.get("device") == "cpu" else None
 
 
 def latest(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

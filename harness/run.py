@@ -187,7 +187,7 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
     # Measured by an earlier run into this directory (and written and logged by it): shown and counted,
     # unless retried or lacking what this run measures (then measured again: the new row supersedes)
     resumed = {key: stored[key] for key in wanted if key in stored and not retried(stored[key], settings.retry)}
-    here = machine(environment.as_dict())
+    here = machine({**environment.as_dict(), "device": device.type})
     again = {wanted[key]: lacks for key, row in resumed.items() if (lacks := lacking(row, settings, here))}
     kept = [Result.from_record(row) for key, row in resumed.items() if wanted[key] not in again]
     done: list[Result] = list(kept)
@@ -276,7 +276,7 @@ def lacking(row: Mapping[str, Any], s: Settings, here: tuple[Any, Any] | None = 
     point is measured again rather than returned without them. Quality-only runs ignore the machine."""
     if here is not None and (s.measure.passes or s.measure.memory) and machine(row) != here:
         name, threads = machine(row)
-        return [f"measurement on this machine (it was measured on {name}, {threads} threads)"]
+        return [f"measurement on this machine (it was measured on {name}{f', {threads} threads' if threads else ''})"]
     if row["status"] != "ok":
         return []
     lacks = [f"{name} time" for name in s.measure.passes if row.get(f"{name}_ms") is None]
