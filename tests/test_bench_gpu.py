@@ -93,7 +93,12 @@ def test_summary_states_the_numbers_of_the_files_and_skips_what_needs_cuda(smoke
     assert bl["status"] in ("met", "missed") and bl["value"] == pytest.approx(pub["fwd_bwd_ms"] / ours["fwd_bwd_ms"])
     lin = targets["exponent_linear"]
     rows = [r for r in load_rows(tmp / "bench" / "a" / "linear") if r["backend"] == "sdpa"]
-    assert lin["status"] in ("met", "missed") and f"sdpa: {fit_exponents(rows, 128, 256)['fwd_bwd_ms']['fitted']:.3f}" in lin["detail"]
+    # Under others' load a tiny forward can time slower than forward+backward: that point is noisy and
+    # the backend is not fitted. The summary says what the rows say, either way.
+    fit = fit_exponents(rows, 128, 256).get("fwd_bwd_ms")
+    noisy = [r["seq_len"] for r in rows if r["noisy"]]
+    want = f"sdpa: not fitted (N={', '.join(map(str, noisy))}" if noisy else f"sdpa: {fit['fitted']:.3f}"
+    assert lin["status"] in ("met", "missed", "not measured") and want in lin["detail"], lin
     for t in summary["targets"]:
         assert f"| {t['text']} | **{t['status']}** |" in md and f"target {t['target']}: {t['status']}" in stdout
     # Every kernel timed is in the summary, with its time as the file has it.
@@ -176,5 +181,12 @@ def test_an_exponent_needs_every_length_of_its_range_and_memory_is_counted_exact
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lin = {t["target"]: t for t in json.loads((bench / "summary.json").read_text())["targets"]}["exponent_linear"]
-    assert f"sdpa: not fitted (N={last['seq_len']} missing, failed or noisy)" in lin["detail"], lin
-    assert lin["detail"].startswith("math;") and "math: " in lin["detail"], lin
+    # What the rows say (others' load can make a tiny point noisy too: then it is listed as well).
+    rows = load_rows(bench / "a" / "linear")
+    noisy = {b: sorted(r["seq_len"] for r in rows if r["backend"] == b and r["noisy"]) for b in ("sdpa", "math")}
+    assert last["seq_len"] in noisy["sdpa"]
+    assert f"sdpa: not fitted (N={', '.join(map(str, noisy['sdpa']))} missing, failed or noisy)" in lin["detail"], lin
+    if noisy["math"]:
+        assert lin["status"] == "not measured" and "math: not fitted" in lin["detail"], lin
+    else:
+        assert lin["detail"].startswith("math;") and "math: " in lin["detail"], lin

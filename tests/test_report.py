@@ -172,6 +172,28 @@ def test_series_labels_show_only_distinguishing_fields():
         "sparse[pattern=fixed]/blocksparse non-causal", "sparse[pattern=bigbird]/blocksparse non-causal"]
 
 
+def test_seeds_table_pools_seeds_of_otherwise_equal_series(tmp_path):
+    """Series that differ only in seed or task.seed are one line of the seeds table per N; another task
+    setting (steps) is another line; a single seed makes no table."""
+    def acc(seed, task_seed, value, n=512, steps=500, variant="full"):
+        return row(variant, "sdpa", n, fwd=1.0, seed=seed, task="mqar", task_opt_seed=task_seed,
+                   task_opt_steps=steps, task_accuracy=value)
+
+    rows = [acc(0, 0, 1.0), acc(0, 1, 0.5), acc(1, 2, 0.75), acc(0, 0, 0.25, steps=100),
+            acc(0, 0, 0.2, variant="linear"), acc(0, 1, 0.3, variant="linear"), acc(0, 1, 0.4, n=256, variant="linear")]
+    head, body = report.seeds_table(collect.group_series(rows))
+    assert head == ["series", "N", "seeds", "mean", "range", "accuracies"]
+    assert body == [["full/sdpa task.steps=100", 512, 1, "0.250", "0.250–0.250", "0.250"],
+                    ["full/sdpa task.steps=500", 512, 3, "0.750", "0.500–1.000", "0.500, 0.750, 1.000"],
+                    ["linear/sdpa", 256, 1, "0.400", "0.400–0.400", "0.400"],
+                    ["linear/sdpa", 512, 2, "0.250", "0.200–0.300", "0.200, 0.300"]]
+    assert report.seeds_table(collect.group_series(rows[3:4])) == (head, [])
+    write_sweep(tmp_path / "sweep", [rows])
+    done = cli("harness.report", tmp_path / "sweep", "--out", tmp_path / "out")
+    assert done.returncode == 0 and "MQAR task accuracy over seeds" in done.stdout
+    assert "MQAR task accuracy over seeds" in (tmp_path / "out" / "report.html").read_text()
+
+
 @pytest.mark.slow  # wandb starts its service process: a few seconds
 def test_report_wandb_logs_plots_and_tables_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -38,21 +38,20 @@ def compare_key(row: dict[str, Any]) -> tuple:
 
 def series_labels(keys: Iterable[Series]) -> dict[Series, str]:
     """Readable, unique labels: variant[options that differ within the variant]/backend, then the
-    causal/dtype/device/shape suffixes only where those differ between the series shown."""
+    causal/dtype/device/shape/seed suffixes only where those differ between the series shown, and the task
+    settings that differ within the variant (``task.seed=1``)."""
     keys = list(dict.fromkeys(keys))
     by_variant: dict[str, list[Series]] = defaultdict(list)
     for k in keys:
         by_variant[k.variant].append(k)
     differs = {f: len({getattr(k, f) for k in keys}) > 1
                for f in ("causal", "dtype", "device", "shape", "seed", "inputs", "task", "param_grads")}
-    task_dicts = [dict(k.task_opts) for k in keys]  # task settings that differ anywhere: task.<name>=<value>
-    task_shown = [n for n in sorted({n for d in task_dicts for n in d}) if len({d.get(n) for d in task_dicts}) > 1]
     labels = {}
     for variant, ks in by_variant.items():
-        opt_dicts = [dict(k.opts) for k in ks]
-        names = sorted({n for d in opt_dicts for n in d})
-        shown = [n for n in names if len({d.get(n) for d in opt_dicts}) > 1]
-        for k, d in zip(ks, opt_dicts):
+        opt_dicts, task_dicts = [dict(k.opts) for k in ks], [dict(k.task_opts) for k in ks]
+        shown, task_shown = ([n for n in sorted({n for d in dicts for n in d}) if len({d.get(n) for d in dicts}) > 1]
+                             for dicts in (opt_dicts, task_dicts))  # what differs within the variant
+        for k, d, t in zip(ks, opt_dicts, task_dicts):
             label = variant
             if shown:
                 label += "[" + ",".join(f"{n}={d.get(n)}" for n in shown) + "]"
@@ -69,7 +68,7 @@ def series_labels(keys: Iterable[Series]) -> dict[Series, str]:
             for f in ("seed", "inputs", "task", "param_grads"):
                 if differs[f]:
                     label += f" {f}={getattr(k, f)}"
-            label += "".join(f" task.{n}={dict(k.task_opts).get(n)}" for n in task_shown)
+            label += "".join(f" task.{n}={t.get(n)}" for n in task_shown)
             labels[k] = label
     seen: dict[str, int] = defaultdict(int)  # belt and braces: never two series with one label
     for k in keys:

@@ -333,6 +333,25 @@ def fitting_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tupl
     return head, body
 
 
+def seeds_table(groups: dict[Series, Rows]) -> tuple[list[str], list[list[Any]]]:
+    """Task accuracy over the seeds of otherwise equal series (``seed`` and ``task.seed`` pooled): per N,
+    every seed's value, their mean and range. Only where some point has two seeds or more: one seed says
+    nothing of the spread."""
+    pooled: dict[Series, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for s, rows in groups.items():
+        unseeded = s._replace(seed=None, task_opts=tuple(kv for kv in s.task_opts if kv[0] != "seed"))
+        for r in rows:
+            if (acc := ok_value(r, "task_accuracy")) is not None:
+                pooled[unseeded][r["seq_len"]].append(acc)
+    labels = series_labels(pooled)
+    body = [[labels[s], n, len(accs), f"{sum(accs) / len(accs):.3f}", f"{min(accs):.3f}–{max(accs):.3f}",
+             ", ".join(f"{a:.3f}" for a in sorted(accs))]
+            for s in sorted(pooled, key=labels.get) for n, accs in sorted(pooled[s].items())]
+    if not any(row[2] >= 2 for row in body):
+        body = []
+    return ["series", "N", "seeds", "mean", "range", "accuracies"], body
+
+
 def failures_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
     body = [[labels[s], r["seq_len"], r.get("status"), r.get("reason")]
             for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]])
@@ -451,6 +470,8 @@ def make_report(sweep: Path, out: Path) -> tuple[Rows, dict[str, tuple], dict[st
         "crossover": ("Crossover: first N from which the variant stays faster than full",
                       *crossover_table(groups, labels)),
         "max_fit": ("Largest N that fits in memory", *fitting_table(groups, labels)),
+        "seeds": ("MQAR task accuracy over seeds (series that differ only in seed or task.seed)",
+                  *seeds_table(groups)),
         "not_ok": ("Points not ok", *failures_table(groups, labels)),
         "noisy": ("Noisy points (drawn hollow, left out of fits and crossovers)", *noisy_table(groups, labels)),
         "points": ("Every point (median and IQR in ms; peak memory over the inputs, MiB)",
@@ -483,8 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, OSError) as err:  # OSError: e.g. --out is a file or not writable
         print(f"report: error: {err}", file=sys.stderr)
         return 2
-    for key in ("crossover", "max_fit"):
-        _print_table(*tables[key])
+    for key in ("crossover", "max_fit", "seeds"):
+        if tables[key][2] or key != "seeds":  # the seeds table only where some point has several
+            _print_table(*tables[key])
     print(f"\n{len(rows)} points, {len(images)} plots -> {out / 'report.html'}")
     if args.wandb:
         log_wandb(out, args.sweep_dir, images, rows, tables)
