@@ -42,6 +42,11 @@ def _ms(median: float | None, iqr: float | None) -> str:
     return _short(median, 4) + ("" if iqr is None else f"±{_short(iqr, 2)}")
 
 
+def _cores(x: float | None) -> str:
+    """Others' load in cores, two decimals (1.6e-12 is 0.00: /proc/stat's rounding, not load)."""
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _mib(x: int | None) -> str:
     return "-" if x is None else f"{x / MiB:.1f}"
 
@@ -114,7 +119,7 @@ class Display:
         self.table.add_row(str(r.seq_len), status_text(r), _ms(r.fwd_ms, r.fwd_iqr_ms), _ms(r.bwd_ms, r.bwd_iqr_ms),
                            _ms(r.fwd_bwd_ms, r.fwd_bwd_iqr_ms), _mib(r.peak_mem_bytes), _num(r.tflops_fwd_bwd),
                            _num(r.out_rel_err, 2), *([_num(r.task_accuracy)] if self.task else []),
-                           _num(r.other_cpu_cores, 2))
+                           _cores(r.other_cpu_cores))
         if note(r):
             if not self.notes:
                 self.notes.append("* noisy: its timings cannot be trusted as they are\n", style="dim")
@@ -147,5 +152,5 @@ def line(r: Result) -> str:
             f"out_rel_err {_num(r.out_rel_err)}, mass_kept {_num(r.mass_kept)}")
     if r.task_accuracy is not None:
         text += f", task_accuracy {_num(r.task_accuracy)}"
-    text += f", others' cores {_num(r.other_cpu_cores, 2)}"
+    text += f", others' cores {_cores(r.other_cpu_cores)}"
     return text + (f" - {note(r)}" if note(r) else "")
