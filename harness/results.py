@@ -627,7 +627,7 @@ class ResultStore:
                     self._load()
                 else:
                     self.jsonl.rename(self.jsonl.with_name(f"{self.jsonl.name}.replaced-{_stamp()}"))
-            self._file = open(self.jsonl, "a")
+            open(self.jsonl, "a").close()  # writable, or OSError now, before anything is measured
         except BaseException:
             self.lock.release()
             raise
@@ -658,9 +658,13 @@ class ResultStore:
         problem = row_problem(rec)
         if problem is not None:  # never write what would not read back
             raise ValueError(f"result row for N={rec.get('seq_len')} is not valid: {problem}")
-        self._file.write(json.dumps(rec, allow_nan=False) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        # Opened for each row, not held for the run: a results.jsonl replaced while the run goes on (a git
+        # checkout or stash of a committed results directory, an editor's save) still gets the row; a held
+        # handle would append it to the replaced file, which nothing reads (seen: a row lost so).
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps(rec, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         self.rows.append(rec)
         write_csv(self.csv, latest(self.rows))
 
@@ -672,10 +676,7 @@ class ResultStore:
                                                       "options": dict(first.options), "fits": sweep.fits})
 
     def close(self) -> None:
-        try:
-            self._file.close()
-        finally:
-            self.lock.release()
+        self.lock.release()
 
     def __enter__(self) -> "ResultStore":
         return self

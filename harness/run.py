@@ -75,7 +75,8 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> tuple[Settings, variants.At
         raise ConfigError(f"inputs=local needs an even head_dim (cos/sin pairs); got head_dim={settings.head_dim}; "
                           f"allowed inputs here: gaussian, peaked")
     if settings.task is not None:
-        task_config(settings, settings.seq_lens[0])  # the task's own checks, before anything is written
+        for n in settings.seq_lens:  # the task's own checks at every length, before anything is written
+            task_config(settings, n)
     check_memory_budget(settings, device)
     distributed.check(settings, attn)
     return settings, attn, device
@@ -193,9 +194,10 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
     done: list[Result] = list(kept)
     display = Display(title, len(settings.seq_lens), task=settings.task is not None, kept=kept, again=again)
     status = JobStatus(out_dir, len(settings.seq_lens), done=kept)
-    # This series' points in the directory, the run's lengths or not (stop_on_oom looks at all of them)
+    # This series' points in the directory, the run's lengths or not (stop_on_oom looks at all of them),
+    # those of this machine only: an oom or a skip for memory says nothing of another machine
     series = series_key(point_identity(attn, settings, device, settings.seq_lens[0]))
-    series_rows = {key: row for key, row in stored.items() if series_key(row) == series}
+    series_rows = {key: row for key, row in stored.items() if series_key(row) == series and machine(row) == here}
     task_cache: dict[int, dict[str, Any]] = {}  # task.seq_len fixed: trained once, reused at every point
     try:
         status.save()  # "running", the kept points counted

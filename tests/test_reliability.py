@@ -273,6 +273,25 @@ def test_a_full_disk_fails_in_one_line_keeps_what_was_written_and_resumes(small_
     assert seq_lens_of(out) == [32, 40, 48, 56, 64, 72, 80, 88]
 
 
+def test_a_results_file_replaced_during_a_run_still_gets_the_later_points(tmp_path):
+    """git checkout / stash of a committed results directory (or an editor's save) replaces results.jsonl
+    by a new file while a run appends to it: the points measured after that must land in the file at the
+    path, not in the replaced one that nothing reads."""
+    from harness.results import Result
+
+    out = tmp_path / "D"
+    sweep = run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=tmp_path / "source")
+    first, second = sweep.rows
+    with ResultStore(out) as store:
+        store.add(first)
+        replaced = out / "results.jsonl.new"
+        replaced.write_text((out / "results.jsonl").read_text())
+        os.replace(replaced, out / "results.jsonl")  # a new inode at the path, as git writes files
+        store.add(second)
+    assert [r["seq_len"] for r in read_jsonl(out / "results.jsonl")] == [32, 40]
+    assert Result.from_record(read_jsonl(out / "results.jsonl")[1]) == second
+
+
 # ----- retry and smaller things ------------------------------------------------------------------
 
 def test_retry_measures_stored_failures_again_and_the_new_row_supersedes(tmp_path):

@@ -170,6 +170,13 @@ def test_series_labels_show_only_distinguishing_fields():
     assert [labels[series_key(r)] for r in rows] == [
         "full/sdpa non-causal", "full/sdpa causal",
         "sparse[pattern=fixed]/blocksparse non-causal", "sparse[pattern=bigbird]/blocksparse non-causal"]
+    # Task settings: those that differ within a variant; rows from before they were recorded say so.
+    task = dict(task="mqar", task_opt_steps=500, task_opt_lr=0.003)
+    rows = [row("full", "sdpa", 8, **task), row("full", "sdpa", 8, **{**task, "task_opt_steps": 100}),
+            row("full", "sdpa", 8, task="mqar"), row("linear", "math", 8, **task)]
+    labels = series_labels(series_key(r) for r in rows)
+    assert [labels[series_key(r)] for r in rows] == [
+        "full/sdpa task.steps=500", "full/sdpa task.steps=100", "full/sdpa task settings unrecorded", "linear/math"]
 
 
 def test_seeds_table_pools_seeds_of_otherwise_equal_series(tmp_path):

@@ -162,11 +162,13 @@ def test_a_different_task_setting_is_another_point_never_the_stored_one(tmp_path
     run(compose_cfg("variant=full", *QUICK, *TINY_TASK, "task.seed=1"), output_dir=tmp_path)
     run(compose_cfg("variant=full", *QUICK, *TINY_TASK, "task.steps=6"), output_dir=tmp_path)
     run(compose_cfg("variant=full", *QUICK, *TINY_TASK, "task.seed=1"), output_dir=tmp_path)  # stored: kept
+    run(compose_cfg("variant=full", *QUICK, *TINY_TASK, "task.eval_every=1"), output_dir=tmp_path)  # logging only
     rows = read_jsonl(tmp_path / "results.jsonl")
     assert [(r["task_opt_seed"], r["task_opt_steps"]) for r in rows] == [(0, 4), (1, 4), (0, 6)]
     assert all(r["task_accuracy"] is not None for r in rows)
     # Every setting is written, defaults included; seq_len as configured; span_penalty only where it applies.
-    assert rows[0]["task_opt_lr"] == 3e-3 and rows[0]["task_opt_seq_len"] == 32 and "task_opt_span_penalty" not in rows[0]
+    assert rows[0]["task_opt_lr"] == 3e-3 and rows[0]["task_opt_seq_len"] == 32
+    assert "task_opt_span_penalty" not in rows[0] and "task_opt_eval_every" not in rows[0]
     from harness.report.collect import series_key, series_labels
 
     assert sorted(series_labels(series_key(r) for r in rows).values()) == [
@@ -245,3 +247,18 @@ def test_a_point_measured_on_another_machine_is_timed_again_here(tmp_path, capsy
     run(compose_cfg("variant=full", *QUICK, "measure.passes=[]", "fidelity.enabled=true"), output_dir=quality_only)
     assert "kept from earlier runs" in capsys.readouterr().out
     assert len(read_jsonl(quality_only / "results.jsonl")) == 1
+    # Another machine's oom does not stop this machine's series (stop_on_oom).
+    rows = read_jsonl(timed / "results.jsonl")
+    with open(timed / "results.jsonl", "a") as f:
+        f.write(json.dumps({**rows[0], "seq_len": 40, "status": "oom", "reason": "out of memory"}) + "\n")
+    run(compose_cfg("variant=full", *QUICK, "seq_lens=[48]"), output_dir=timed)
+    assert read_jsonl(timed / "results.jsonl")[-1]["status"] == "ok"
+
+
+def test_a_task_length_too_short_anywhere_is_refused_before_anything_is_written(tmp_path):
+    from harness.config import ConfigError
+
+    with pytest.raises(ConfigError, match="task=mqar at N=8: .*need seq_len >= "):
+        run(compose_cfg("variant=full", *QUICK, *TINY_TASK, "task.seq_len=null", "seq_lens=[64,8]"),
+            output_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -32,13 +32,15 @@ def task_config(settings: Settings, seq_len: int):
 
 
 def task_options(settings: Settings, attn: variants.Attention, seq_len: int) -> tuple[tuple[str, Any], ...]:
-    """The task's settings as part of a point's identity: every MQARConfig field (defaults filled in),
-    ``seq_len`` as configured (null: each point's N), ``span_penalty`` only for a variant with a
-    regulariser (it changes nothing for the others). () without a task."""
+    """The task's settings as part of a point's identity: every MQARConfig field that can change its
+    numbers (defaults filled in), ``seq_len`` as configured (null: each point's N). Not ``eval_every``
+    (how often training is logged: the final eval is the same) nor, for a variant without a regulariser,
+    ``span_penalty`` (it adds nothing to its loss). () without a task."""
     if settings.task is None:
         return ()
     values = dataclasses.asdict(task_config(settings, seq_len))
     values["seq_len"] = settings.task.get("seq_len")
+    del values["eval_every"]
     if attn.regulariser() is None:
         del values["span_penalty"]
     return tuple(sorted(values.items()))

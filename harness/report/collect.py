@@ -48,9 +48,11 @@ def series_labels(keys: Iterable[Series]) -> dict[Series, str]:
                for f in ("causal", "dtype", "device", "shape", "seed", "inputs", "task", "param_grads")}
     labels = {}
     for variant, ks in by_variant.items():
+        # What differs within the variant; task settings among the series that recorded them (rows written
+        # before they were recorded have none: said so, not listed as 17 settings equal to None)
         opt_dicts, task_dicts = [dict(k.opts) for k in ks], [dict(k.task_opts) for k in ks]
         shown, task_shown = ([n for n in sorted({n for d in dicts for n in d}) if len({d.get(n) for d in dicts}) > 1]
-                             for dicts in (opt_dicts, task_dicts))  # what differs within the variant
+                             for dicts in (opt_dicts, [d for d in task_dicts if d]))
         for k, d, t in zip(ks, opt_dicts, task_dicts):
             label = variant
             if shown:
@@ -68,7 +70,9 @@ def series_labels(keys: Iterable[Series]) -> dict[Series, str]:
             for f in ("seed", "inputs", "task", "param_grads"):
                 if differs[f]:
                     label += f" {f}={getattr(k, f)}"
-            label += "".join(f" task.{n}={t.get(n)}" for n in task_shown)
+            if k.task is not None and not t and any(task_dicts):
+                label += " task settings unrecorded"
+            label += "".join(f" task.{n}={t.get(n)}" for n in task_shown if t)
             labels[k] = label
     seen: dict[str, int] = defaultdict(int)  # belt and braces: never two series with one label
     for k in keys:
