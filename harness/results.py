@@ -137,8 +137,8 @@ class Result:
     date: str | None  # UTC, ISO 8601, when the point finished
     # The variant's options as built (defaults included): ((name, value), ...), written as opt_<name>
     options: tuple[tuple[str, Any], ...] = ()
-    # The task's settings (harness.quality.task_options: every MQARConfig field that applies to the
-    # variant, seq_len as configured), written as task_opt_<name>; () when no task ran
+    # The task's settings (harness.quality.task_options: every MQARConfig field that can change its
+    # numbers, seq_len as configured), written as task_opt_<name>; () when no task ran
     task_options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod

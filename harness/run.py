@@ -26,8 +26,8 @@ from .console import Display
 from .logger import sweep_group_name, wandb_run
 from .measure import measure_point, noise_reasons, timer_name
 from .quality import quality, task_config, task_options
-from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, TASK_OPT_PREFIX, JobStatus, LockedError, Result, ResultStore, Sink,
-                      Sweep, fit_exponents, machine, point_key, series_key, tflops, write_json)
+from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, TASK_OPT_PREFIX, JobStatus, LockedError, Result,
+                      ResultStore, Sink, Sweep, fit_exponents, machine, point_key, series_key, tflops, write_json)
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
