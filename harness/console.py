@@ -70,7 +70,7 @@ class Display:
     def __init__(self, title: str, total: int, console: Console | None = None, task: bool = False,
                  kept: Sequence[Result] = (), again: dict[int, list[str]] | None = None) -> None:
         self.kept = list(kept)
-        self.resume_lines = ([f"kept from earlier runs into this directory, not measured again (resume): N="
+        self.resume_lines = (["kept from earlier runs into this directory, not measured again (resume): N="
                               + ",".join(str(r.seq_len) for r in self.kept)] if self.kept else []) + [
             f"N={n}: measured again, its stored row has no {', '.join(lacks)}" for n, lacks in (again or {}).items()]
         self.console = console or make_console()
