@@ -164,12 +164,19 @@ def test_report_tables_on_the_sweep(made):
 
 def test_series_labels_show_only_distinguishing_fields():
     rows = [row("full", "sdpa", 8), row("full", "sdpa", 8, causal=True),
-            row("sparse", "blocksparse", 8, opt_pattern="fixed", opt_block_size=64),
-            row("sparse", "blocksparse", 8, opt_pattern="bigbird", opt_block_size=64)]
+            row("sparse", "blocksparse", 8, opt_pattern="fixed", opt_block_size=64, opt_local_blocks=4),
+            row("sparse", "blocksparse", 8, opt_pattern="bigbird", opt_block_size=64, opt_random_blocks=2)]
     labels = series_labels(series_key(r) for r in rows)
     assert [labels[series_key(r)] for r in rows] == [
         "full/sdpa non-causal", "full/sdpa causal",
         "sparse[pattern=fixed]/blocksparse non-causal", "sparse[pattern=bigbird]/blocksparse non-causal"]
+    # An option set by one pattern only is not a difference; one set to two values is, where it is set.
+    rows = [row("sparse", "blocksparse", 8, opt_pattern="bigbird", opt_random_blocks=r) for r in (2, 3)]
+    rows += [row("sparse", "blocksparse", 8, opt_pattern="fixed", opt_local_blocks=4)]
+    labels = series_labels(series_key(r) for r in rows)
+    assert [labels[series_key(r)] for r in rows] == ["sparse[pattern=bigbird,random_blocks=2]/blocksparse",
+                                                     "sparse[pattern=bigbird,random_blocks=3]/blocksparse",
+                                                     "sparse[pattern=fixed]/blocksparse"]
     # Task settings: those that differ within a variant; rows from before they were recorded say so.
     task = dict(task="mqar", task_opt_steps=500, task_opt_lr=0.003)
     rows = [row("full", "sdpa", 8, **task), row("full", "sdpa", 8, **{**task, "task_opt_steps": 100}),

@@ -48,15 +48,16 @@ def series_labels(keys: Iterable[Series]) -> dict[Series, str]:
                for f in ("causal", "dtype", "device", "shape", "seed", "inputs", "task", "param_grads")}
     labels = {}
     for variant, ks in by_variant.items():
-        # What differs within the variant; task settings among the series that recorded them (rows written
-        # before they were recorded have none: said so, not listed as 17 settings equal to None)
+        # What takes two values within the variant, shown where a series sets it: sparse[pattern=fixed]
+        # and sparse[pattern=bigbird], not every option of the other pattern as None. Task settings among
+        # the series that recorded them (rows from before have none: said so, not 17 settings as None).
         opt_dicts, task_dicts = [dict(k.opts) for k in ks], [dict(k.task_opts) for k in ks]
-        shown, task_shown = ([n for n in sorted({n for d in dicts for n in d}) if len({d.get(n) for d in dicts}) > 1]
-                             for dicts in (opt_dicts, [d for d in task_dicts if d]))
+        shown, task_shown = ([n for n in sorted({n for d in dicts for n in d})
+                              if len({d[n] for d in dicts if n in d}) > 1] for dicts in (opt_dicts, task_dicts))
         for k, d, t in zip(ks, opt_dicts, task_dicts):
             label = variant
-            if shown:
-                label += "[" + ",".join(f"{n}={d.get(n)}" for n in shown) + "]"
+            if any(n in d for n in shown):
+                label += "[" + ",".join(f"{n}={d[n]}" for n in shown if n in d) + "]"
             if k.backend is not None:
                 label += f"/{k.backend}"
             if differs["causal"]:
@@ -72,7 +73,7 @@ def series_labels(keys: Iterable[Series]) -> dict[Series, str]:
                     label += f" {f}={getattr(k, f)}"
             if k.task is not None and not t and any(task_dicts):
                 label += " task settings unrecorded"
-            label += "".join(f" task.{n}={t.get(n)}" for n in task_shown if t)
+            label += "".join(f" task.{n}={t[n]}" for n in task_shown if n in t)
             labels[k] = label
     seen: dict[str, int] = defaultdict(int)  # belt and braces: never two series with one label
     for k in keys:
