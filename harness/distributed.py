@@ -11,9 +11,11 @@ Two groups. The control group (gloo, the default group) carries the commands and
 broadcasts each point's N, every rank measures it and sends back its record. Each point is measured on
 a fresh group (gloo on CPU, NCCL on CUDA) whose timeout is ``distributed.timeout_s``: a rank that raises
 reports its error, the others' transfers time out, every rank reports, the point is an ``error`` row
-and the next point runs on a new group. Every rank times the same number of calls: the calls per sample
-are fixed from the slowest rank's first call, each sample starts at a barrier and lasts as long as the
-slowest rank (the per-sample maximum over ranks), so the times are the slowest rank's.
+and the next point runs on a new group. (That is gloo's behaviour; on NCCL the timed-out transfers are
+ended by NCCL's watchdog, which ends the processes: the run stops and is resumed by running it again.)
+Every rank times the same number of calls: the calls per sample are fixed from the slowest rank's first
+call, each sample starts at a barrier and lasts as long as the slowest rank (the per-sample maximum over
+ranks), so the times are the slowest rank's.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def init_group(rv: Rendezvous, timeout_s: float) -> None:
                             world_size=rv.world_size, timeout=timedelta(seconds=timeout_s))
 
 
-def check(settings: Settings, attn) -> None:
+def check(settings: Settings, attn, device: torch.device) -> None:
     """Bad input of the workload the variant runs (its own check: ulysses needs heads divisible by its
     world size) and of a sequence-parallel run, one line each (run.validate calls it)."""
     attn.check_workload(settings.num_heads)
@@ -92,6 +94,15 @@ def check(settings: Settings, attn) -> None:
     if rv is not None and rv.world_size != P:
         raise ConfigError(f"{attn.name}: variant.world_size={P} but the launcher started {rv.world_size} "
                           f"processes; allowed: variant.world_size={rv.world_size}")
+    # On CUDA each rank of a machine takes the GPU of its local rank (NCCL refuses two ranks on one GPU):
+    # a rank without one would fail at start and leave the others waiting out the control timeout.
+    gpus = torch.cuda.device_count() if device.type == "cuda" else None
+    if gpus is not None and rv is None and P > gpus:
+        raise ConfigError(f"{attn.name}: variant.world_size={P} ranks on CUDA need a GPU each, this machine has "
+                          f"{gpus}; allowed: variant.world_size up to {gpus}, or device=cpu ({P} processes, gloo)")
+    if gpus is not None and rv is not None and rv.local_rank >= gpus:
+        raise ConfigError(f"{attn.name}: this rank's local rank {rv.local_rank} has no GPU (this machine has "
+                          f"{gpus}); allowed: at most {gpus} ranks per machine, or device=cpu")
 
 
 # ----- timing every rank in step -----------------------------------------------------------------

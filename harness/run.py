@@ -78,7 +78,7 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> tuple[Settings, variants.At
         for n in settings.seq_lens:  # the task's own checks at every length, before anything is written
             task_config(settings, n)
     check_memory_budget(settings, device)
-    distributed.check(settings, attn)
+    distributed.check(settings, attn, device)
     return settings, attn, device
 
 

@@ -53,9 +53,9 @@ def test_gpu_repeats_give_every_call_a_spread_within_max_run_time():
 
 @pytest.mark.gpu
 def test_cuda_timer_is_do_bench_with_a_spread_for_long_calls():
-    """The same method as do_bench (other test processes may share the GPU: loose bounds here; the
-    benchmark's d/overhead.json holds the harness against raw do_bench within 3%), and at least
-    min_samples calls where do_bench would time a call once or twice."""
+    """The same method as do_bench (other test processes may share the GPU, slowing any call several
+    times: loose bounds here; the benchmark's d/overhead.json holds the harness against raw do_bench
+    within 3%), and at least min_samples calls where do_bench would time a call once or twice."""
     import time
 
     import torch
@@ -65,18 +65,18 @@ def test_cuda_timer_is_do_bench_with_a_spread_for_long_calls():
     opts = MeasureOptions(min_run_time=0.1, min_samples=5)
     short = time_fn(lambda: x @ x, torch.device("cuda"), opts)
     ref = do_bench(lambda: x @ x, rep=100, return_mode="median")
-    assert short.samples > 100 and 0.5 < short.median_ms / ref < 2, (short, ref)
+    assert short.samples >= 50 and 0.5 < short.median_ms / ref < 2, (short, ref)  # ~0.3 ms a call alone
     reps = 1
 
     def long_call():
         for _ in range(reps):
             x @ x
-    while True:  # a call past 50 ms, measured here (do_bench's rep=100 then times it once or twice)
-        torch.cuda.synchronize()
+    while True:  # a call past 150 ms, measured here: past 25 ms even if the GPU was shared 6 ways then,
+        torch.cuda.synchronize()  # so do_bench's rep=100 times it at most four times
         start = time.perf_counter()
         long_call()
         torch.cuda.synchronize()
-        if time.perf_counter() - start > 0.05:
+        if time.perf_counter() - start > 0.15:
             break
         reps *= 2
     assert len(do_bench(long_call, rep=100, return_mode="all")) < 5

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import variants
+from harness.config import ConfigError, settings_from_config
 from harness.distributed import Rendezvous, free_port, init_group
 from harness.memory import cpu_peak_bytes
 from variants import VariantError
@@ -259,6 +260,32 @@ def test_harness_spawns_the_ranks_and_a_failing_rank_is_an_error_row(tmp_path):
 def test_bad_input_is_one_line(args, line, tmp_path):
     proc = harness(*args, f"hydra.run.dir={tmp_path / 'out'}")
     assert proc.returncode == 2 and proc.stderr.startswith(line) and proc.stderr.count("\n") == 1, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_more_cuda_ranks_than_gpus_is_refused():
+    """On CUDA every rank takes its own GPU: a rank with none would fail at start and leave the others
+    waiting out the control timeout, so validation refuses it first. (CUDA is hidden from the CPU suite:
+    this machine has 0 GPUs for it, whatever it holds.)"""
+    from harness.distributed import check
+    from harness.run import build_variant
+
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        settings = settings_from_config(compose(config_name="config", overrides=["variant=ring"]))
+    with pytest.raises(ConfigError, match=r"^ring: variant.world_size=2 ranks on CUDA need a GPU each, this machine "
+                                          r"has 0; allowed: variant.world_size up to 0, or device=cpu"):
+        check(settings, build_variant(settings.variant), torch.device("cuda"))
+    check(settings, build_variant(settings.variant), torch.device("cpu"))  # gloo ranks on the CPU
+
+
+@pytest.mark.gpu
+def test_more_cuda_ranks_than_gpus_is_one_line(tmp_path):
+    P = torch.cuda.device_count() + 1
+    proc = harness("variant=ring", f"variant.world_size={P}", "device=cuda", f"hydra.run.dir={tmp_path / 'out'}")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: ring: variant.world_size={P} ranks on CUDA need a GPU each"), proc.stderr
     assert not (tmp_path / "out").exists()
 
 
