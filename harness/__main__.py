@@ -59,15 +59,25 @@ def hydra_main(cfg: DictConfig) -> None:
 
 def terminate(signum, frame) -> None:
     """SIGTERM (a scheduler's cancel, ``kill``): end the run as Ctrl-C does, with its own exit code."""
-    from harness.run import Terminated
+    from harness.run import PENDING_INTERRUPTS, Terminated
 
+    PENDING_INTERRUPTS.append(Terminated)  # raised again at the run's next phase, should this one be lost
     raise Terminated()
+
+
+def interrupt(signum, frame) -> None:
+    """SIGINT (Ctrl-C): Python's own KeyboardInterrupt, remembered as SIGTERM's is."""
+    from harness.run import PENDING_INTERRUPTS
+
+    PENDING_INTERRUPTS.append(KeyboardInterrupt)
+    raise KeyboardInterrupt()
 
 
 def main() -> None:
     import signal
 
     signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, interrupt)
     try:
         from harness.command_line import check
         from harness.config import ConfigError, one_line

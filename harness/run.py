@@ -133,6 +133,17 @@ class Terminated(KeyboardInterrupt):
     """Raised by the command line's SIGTERM handler, so that a cancelled job ends like Ctrl-C."""
 
 
+# The interrupts the command line's handlers saw (``Terminated`` or ``KeyboardInterrupt`` classes). Python
+# drops an exception raised inside a finalizer (it prints "Exception ignored in ..."): a signal landing
+# there would be lost, so the run raises it again at its next phase (``raise_pending_interrupt``).
+PENDING_INTERRUPTS: list[type[KeyboardInterrupt]] = []
+
+
+def raise_pending_interrupt() -> None:
+    if PENDING_INTERRUPTS:
+        raise PENDING_INTERRUPTS[-1]()
+
+
 class DirectoryInUse(ConfigError):
     """Another live run holds the output directory (one line naming it): refused, exit 2, its files
     left untouched."""
@@ -213,15 +224,24 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
             for key, seq_len in order:
                 if key in measured:
                     continue
+                raise_pending_interrupt()
                 stop = stopped_by(series_rows.values(), seq_len) if settings.stop_on_oom else None
-                row = run_point(attn, settings, seq_len, device, environment, budget, stop=stop,
-                                on_phase=lambda phase, n=seq_len: display.phase(n, phase),
-                                task_log=lambda step, m, n=seq_len: logger.log_task_step(n, step, m),
-                                task_cache=task_cache, measure=team.measure if team else measure_quietest)
+
+                def on_phase(phase: str, n: int = seq_len) -> None:
+                    raise_pending_interrupt()
+                    display.phase(n, phase)
+
+                def task_log(step: int, metrics: dict[str, float], n: int = seq_len) -> None:
+                    raise_pending_interrupt()
+                    logger.log_task_step(n, step, metrics)
+                row = run_point(attn, settings, seq_len, device, environment, budget, stop=stop, on_phase=on_phase,
+                                task_log=task_log, task_cache=task_cache,
+                                measure=team.measure if team else measure_quietest)
                 for sink in sinks:
                     sink.add(row)
                 series_rows[key] = row.record()
                 done.append(row)
+            raise_pending_interrupt()
             sweep = Sweep(done, fit_exponents(done), out_dir)
             for sink in sinks:
                 sink.complete(sweep)

@@ -211,6 +211,22 @@ def test_an_interrupt_is_one_line_status_interrupted_and_resumable(tmp_path, sig
     assert seq_lens_of(out) == [32, 40, 48, 56]
 
 
+def test_an_interrupt_lost_in_a_finalizer_still_ends_the_run(tmp_path):
+    """Python drops a KeyboardInterrupt raised inside a finalizer ("Exception ignored in ..."): the
+    command line's handler remembers every signal, and the run raises it again at its next phase."""
+    from harness import run as runmod
+
+    runmod.PENDING_INTERRUPTS.append(runmod.Terminated)  # as the SIGTERM handler does, its raise lost
+    try:
+        with pytest.raises(runmod.RunInterrupted) as e:
+            runmod.run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=tmp_path)
+    finally:
+        runmod.PENDING_INTERRUPTS.clear()
+    assert e.value.exit_code == 143 and e.value.message.startswith("interrupted (SIGTERM) after 0 of 2 points")
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "interrupted"
+    assert lines_of(tmp_path / "results.jsonl") == []
+
+
 def test_an_impossible_output_directory_is_one_line_exit_2(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
