@@ -87,10 +87,10 @@ def test_extending_a_run_with_wandb_on_logs_each_point_once_in_one_run(tmp_path)
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2
     state = json.loads((out / "wandb" / "harness-run.json").read_text())
-    assert all(state["id"] in run.name for run in runs), (state, runs)  # one wandb run, resumed
+    assert all(state["id"] in run_dir.name for run_dir in runs), (state, runs)  # one wandb run, resumed
     points, steps = [], []
-    for run in runs:  # in start order
-        for rec in wandb_records(run):
+    for run_dir in runs:  # in start order
+        for rec in wandb_records(run_dir):
             item = rec.get("history", {}).get("item")
             if item:
                 steps.append(item["_step"])
