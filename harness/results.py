@@ -110,6 +110,7 @@ class Result:
     block_density: float | None  # computed key blocks / all blocks (mask-defined variants only)
     # Fidelity against exact attention, float64 reference on the same q, k, v (harness/quality/fidelity.py)
     inputs: str | None  # gaussian | local | peaked: the distribution of q, k, v for fidelity
+    fidelity_batch_size: int | None  # B of those q, k, v (fidelity.batch_size); None where fidelity is off
     out_rel_err: float | None  # ‖o − o_ref‖ / ‖o_ref‖
     out_cos: float | None  # cosine similarity of o and o_ref
     out_max_abs_err: float | None  # max |o − o_ref|
@@ -187,10 +188,10 @@ def tflops(flops: int | None, ms: float | None) -> float | None:
 # ----- the one schema and the one identity ---------------------------------------------------------
 
 # What says which measurement a row is: these fields, the variant's options (opt_*), the task's settings
-# (task_opt_*) and param_grads. Two rows with equal keys are the same point: a rerun skips it, the report
-# draws them as one point. Whatever changes the numbers is part of it (seeds, inputs, the task's training
-# settings), so a sweep over any of them is several series, never one whose last value wins or, on resume,
-# a stored point returned for a different setting.
+# (task_opt_*), param_grads and fidelity_batch_size. Two rows with equal keys are the same point: a rerun
+# skips it, the report draws them as one point. Whatever changes the numbers is part of it (seeds, inputs,
+# the task's training settings), so a sweep over any of them is several series, never one whose last value
+# wins or, on resume, a stored point returned for a different setting.
 IDENTITY_FIELDS = ("variant", "backend", "seq_len", "batch_size", "num_heads", "head_dim", "dtype", "device",
                    "causal", "seed", "inputs", "task")
 REQUIRED = tuple(f for f in IDENTITY_FIELDS if f not in ("inputs", "task")) + ("status",)
@@ -262,13 +263,15 @@ class Series(NamedTuple):
     task: Any = None
     task_opts: tuple[tuple[str, Any], ...] = ()
     param_grads: bool = False  # absent (rows from before the field, variants without parameters): False
+    fidelity_batch_size: Any = None  # absent where inputs is set (rows from before the field): 1, the default
 
 
 def series_key(row: dict[str, Any]) -> Series:
     return Series(row.get("variant"), row.get("backend"), options_of(row), row.get("causal"), row.get("dtype"),
                   row.get("device"), (batch_label(row), row.get("num_heads"), row.get("head_dim")),
                   row.get("seed"), row.get("inputs"), row.get("task"), options_of(row, TASK_OPT_PREFIX),
-                  bool(row.get("param_grads")))
+                  bool(row.get("param_grads")),
+                  row.get("fidelity_batch_size", 1 if row.get("inputs") is not None else None))
 
 
 def batch_label(row: dict[str, Any]) -> Any:
@@ -277,8 +280,8 @@ def batch_label(row: dict[str, Any]) -> Any:
 
 
 def point_key(row: dict[str, Any]) -> tuple:
-    """The identity of a point (IDENTITY_FIELDS, the options, the task's settings and param_grads): the one
-    definition, used to resume, to count and to draw."""
+    """The identity of a point (IDENTITY_FIELDS, the options, the task's settings, param_grads and
+    fidelity_batch_size): the one definition, used to resume, to count and to draw."""
     return (*series_key(row), row.get("seq_len"))
 
 

@@ -186,6 +186,22 @@ def test_param_grads_is_part_of_the_point_only_where_the_variant_has_parameters(
     assert [r["param_grads"] for r in read_jsonl(tmp_path / "full" / "results.jsonl")] == [None]
 
 
+def test_fidelity_batch_size_is_part_of_the_point(tmp_path):
+    """Fidelity over B=2 is another sample than over B=1: a rerun measures it, never returns the B=1 row.
+    Rows from before the field carry none and are the default's (1); without fidelity it changes nothing."""
+    fid = ("fidelity.enabled=true",)
+    for b in (1, 2, 2):
+        run(compose_cfg("variant=full", *QUICK, *fid, f"fidelity.batch_size={b}"), output_dir=tmp_path)
+    rows = read_jsonl(tmp_path / "results.jsonl")
+    assert [r["fidelity_batch_size"] for r in rows] == [1, 2]
+    assert rows[0]["out_rel_err"] is not None and rows[1]["out_rel_err"] is not None
+    old = {k: v for k, v in rows[0].items() if k != "fidelity_batch_size"}
+    assert point_key(old) == point_key(rows[0]) != point_key(rows[1])
+    run(compose_cfg("variant=full", *QUICK, "fidelity.enabled=false"), output_dir=tmp_path / "off")
+    run(compose_cfg("variant=full", *QUICK, "fidelity.enabled=false", "fidelity.batch_size=2"), output_dir=tmp_path / "off")
+    assert [r["fidelity_batch_size"] for r in read_jsonl(tmp_path / "off" / "results.jsonl")] == [None]
+
+
 def test_a_stored_point_without_what_this_run_measures_is_measured_again(tmp_path, capsys):
     """A quality-only run (no passes, no memory) resumed with timings must time the point, not return the
     stored row without them; the stored row stays in the file, the new one supersedes it."""

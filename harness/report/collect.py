@@ -19,9 +19,9 @@ from harness.results import (OPT_PREFIX, STATUSES, TASK_OPT_PREFIX, InputError, 
 FULL = "full"  # the variant every other one is compared with
 CORE_FIELDS = (
     "variant", "backend", "seq_len", "batch_size", "num_heads", "head_dim", "dtype", "device", "causal",
-    "seed", "inputs", "task", "param_grads", "status", "reason", "noisy", "noise_reasons", "fwd_ms", "bwd_ms",
-    "fwd_bwd_ms", "fwd_iqr_ms", "bwd_iqr_ms", "fwd_bwd_iqr_ms", "peak_mem_bytes", "peak_mem_abs_bytes", "flops_fwd",
-    "flops_fwd_useful", "tflops_fwd", "density", "analytic_mem_bytes",
+    "seed", "inputs", "fidelity_batch_size", "task", "param_grads", "status", "reason", "noisy", "noise_reasons",
+    "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_iqr_ms", "bwd_iqr_ms", "fwd_bwd_iqr_ms", "peak_mem_bytes",
+    "peak_mem_abs_bytes", "flops_fwd", "flops_fwd_useful", "tflops_fwd", "density", "analytic_mem_bytes",
 )
 QUALITY_FIELDS = ("out_rel_err", "out_cos", "out_max_abs_err", "grad_rel_err", "mass_kept",
                   "task_accuracy", "task_loss")
@@ -45,7 +45,8 @@ def series_labels(keys: Iterable[Series]) -> dict[Series, str]:
     for k in keys:
         by_variant[k.variant].append(k)
     differs = {f: len({getattr(k, f) for k in keys}) > 1
-               for f in ("causal", "dtype", "device", "shape", "seed", "inputs", "task", "param_grads")}
+               for f in ("causal", "dtype", "device", "shape", "seed", "inputs", "fidelity_batch_size", "task",
+                         "param_grads")}
     labels = {}
     for variant, ks in by_variant.items():
         # What takes two values within the variant, shown where a series sets it: sparse[pattern=fixed]
@@ -68,7 +69,7 @@ def series_labels(keys: Iterable[Series]) -> dict[Series, str]:
                 label += f" @{k.device}"
             if differs["shape"]:
                 label += " B={},H={},D={}".format(*k.shape)
-            for f in ("seed", "inputs", "task", "param_grads"):
+            for f in ("seed", "inputs", "fidelity_batch_size", "task", "param_grads"):
                 if differs[f]:
                     label += f" {f}={getattr(k, f)}"
             if k.task is not None and not t and any(task_dicts):

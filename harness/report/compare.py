@@ -3,8 +3,8 @@
     python -m harness.report.compare A B [--threshold 0.10] [--fail-on-regression] [--metric fwd_bwd_ms,peak_mem_bytes]
 
 A and B are run/sweep directories or results .jsonl/.csv files. Points match on their identity
-(variant, backend, options, seq_len, shape, dtype, causal, seed, inputs, task), not on the device, so a
-CPU run can be set against a GPU run (the devices are printed). For each matched point and metric: A, B
+(variant, backend, options, seq_len, shape, dtype, causal, seed, inputs, fidelity batch, task), not on the
+device, so a CPU run can be set against a GPU run (the devices are printed). For each matched point and metric: A, B
 and B/A. A regression is B/A > 1 + threshold for lower-is-better metrics (times, memory, errors), B/A <
 1 - threshold for higher-is-better ones (throughput, accuracy, mass kept), or a point ok in A that is
 not ok in B. For a time, the change must also clear the noise: the interquartile intervals of A and B
