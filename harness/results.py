@@ -263,15 +263,19 @@ class Series(NamedTuple):
     task: Any = None
     task_opts: tuple[tuple[str, Any], ...] = ()
     param_grads: bool = False  # absent (rows from before the field, variants without parameters): False
-    fidelity_batch_size: Any = None  # absent where inputs is set (rows from before the field): 1, the default
+    fidelity_batch_size: Any = None  # None where inputs is set (rows from before the field): 1, the default
 
 
 def series_key(row: dict[str, Any]) -> Series:
+    # A row from before fidelity_batch_size has none, read back absent or as null (from_record, CSV): its
+    # fidelity ran at the default, 1. A null is otherwise only where fidelity is off, and inputs null too.
+    fidelity_batch = row.get("fidelity_batch_size")
+    if fidelity_batch is None and row.get("inputs") is not None:
+        fidelity_batch = 1
     return Series(row.get("variant"), row.get("backend"), options_of(row), row.get("causal"), row.get("dtype"),
                   row.get("device"), (batch_label(row), row.get("num_heads"), row.get("head_dim")),
                   row.get("seed"), row.get("inputs"), row.get("task"), options_of(row, TASK_OPT_PREFIX),
-                  bool(row.get("param_grads")),
-                  row.get("fidelity_batch_size", 1 if row.get("inputs") is not None else None))
+                  bool(row.get("param_grads")), fidelity_batch)
 
 
 def batch_label(row: dict[str, Any]) -> Any:

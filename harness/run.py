@@ -201,7 +201,8 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
     resumed = {key: stored[key] for key in wanted if key in stored and not retried(stored[key], settings.retry)}
     here = machine({**environment.as_dict(), "device": device.type})
     again = {wanted[key]: lacks for key, row in resumed.items() if (lacks := lacking(row, settings, here))}
-    kept = [Result.from_record(row) for key, row in resumed.items() if wanted[key] not in again]
+    keep = [key for key in resumed if wanted[key] not in again]
+    kept = [Result.from_record(resumed[key]) for key in keep]
     done: list[Result] = list(kept)
     display = Display(title, len(settings.seq_lens), task=settings.task is not None, kept=kept, again=again)
     status = JobStatus(out_dir, len(settings.seq_lens), done=kept)
@@ -218,7 +219,7 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
                        name=label, group=sweep_group(settings), tags=[attn.name, attn.backend, device.type]) as logger, \
                 display:
             sinks: list[Sink] = [store, logger, display, status]  # each new row: written, logged, shown, counted
-            measured = {point_key(r.record()) for r in kept}
+            measured = set(keep)
             # stop_on_oom: shortest first, and once a length does not fit the longer ones are not tried
             order = sorted(wanted.items(), key=lambda item: item[1]) if settings.stop_on_oom else wanted.items()
             for key, seq_len in order:

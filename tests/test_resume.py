@@ -196,7 +196,14 @@ def test_fidelity_batch_size_is_part_of_the_point(tmp_path):
     assert [r["fidelity_batch_size"] for r in rows] == [1, 2]
     assert rows[0]["out_rel_err"] is not None and rows[1]["out_rel_err"] is not None
     old = {k: v for k, v in rows[0].items() if k != "fidelity_batch_size"}
-    assert point_key(old) == point_key(rows[0]) != point_key(rows[1])
+    assert point_key(old) == point_key({**old, "fidelity_batch_size": None}) == point_key(rows[0])
+    assert point_key(rows[0]) != point_key(rows[1])
+    # A results file from before the field: its points are kept, not measured again, and counted once
+    (tmp_path / "results.jsonl").write_text(json.dumps(old) + "\n")
+    run(compose_cfg("variant=full", *QUICK, *fid, "seq_lens=[32,48]"), output_dir=tmp_path)
+    assert [r["seq_len"] for r in read_jsonl(tmp_path / "results.jsonl")] == [32, 48]
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert (status["points_total"], status["points_done"]) == (2, 2), status
     run(compose_cfg("variant=full", *QUICK, "fidelity.enabled=false"), output_dir=tmp_path / "off")
     run(compose_cfg("variant=full", *QUICK, "fidelity.enabled=false", "fidelity.batch_size=2"), output_dir=tmp_path / "off")
     assert [r["fidelity_batch_size"] for r in read_jsonl(tmp_path / "off" / "results.jsonl")] == [None]
