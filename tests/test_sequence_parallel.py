@@ -28,14 +28,19 @@ N = 61  # not divisible by 2 or 3, nor by 2P (zigzag chunks)
 RING_CASES = [("ring", {"layout": layout, "inner": inner, "inner_options": inner_options})
               for layout in ("contiguous", "zigzag")
               for inner, inner_options in (("full", None), ("blockwise", {"block_size": 7}))]
-# Every single-device variant whose heads are independent, inside Ulysses.
+# Every single-device variant inside Ulysses; those whose function differs per head (reformer's R_h,
+# adaptive_span's z_h, linear share=none's E_h) with their per-head parts (H=6 heads over the ranks).
 ULYSSES_CASES = [("ulysses", {"inner": "full", "backend": "math"}),
                  ("ulysses", {"inner": "full"}),
                  ("ulysses", {"inner": "blockwise", "inner_options": {"block_size": 16}}),
                  ("ulysses", {"inner": "blockwise", "inner_options": {"mode": "local", "block_size": 16}}),
                  ("ulysses", {"inner": "sliding_window", "inner_options": {"window": 5, "global_tokens": 2}}),
                  ("ulysses", {"inner": "sparse", "inner_options": {"pattern": "bigbird", "block_size": 8}}),
-                 ("ulysses", {"inner": "linear", "inner_options": {"proj_dim": 16, "max_seq_len": 64}})]
+                 ("ulysses", {"inner": "linear", "inner_options": {"proj_dim": 16, "max_seq_len": 64}}),
+                 ("ulysses", {"inner": "linear", "inner_options": {"proj_dim": 16, "max_seq_len": 64, "share": "none",
+                                                                   "num_heads": 6}}),
+                 ("ulysses", {"inner": "reformer", "inner_options": {"bucket_size": 8}}),
+                 ("ulysses", {"inner": "adaptive_span", "inner_options": {"max_span": 64, "ramp": 4, "num_heads": 6}})]
 
 
 def run_ranks(fn, P: int, *args) -> None:
@@ -108,7 +113,11 @@ def gathered(x: torch.Tensor, P: int, layout: str) -> torch.Tensor:
 
 def check_against_reference(rank, P, cases, dtype):
     for name, options in cases:
-        attn = variants.build(name, world_size=P, **options)
+        attn = variants.build(name, world_size=P, **options).to(dtype)
+        if options.get("inner") == "adaptive_span":
+            with torch.no_grad():  # a span of its own per head (2 ... 40 tokens), so a wrong head's span shows
+                attn.wrapped.z.copy_(torch.linspace(2, 40, 6))
+        params = list(attn.parameters())  # per-head ones: each rank's gradient holds its heads' part
         for causal in (False, True):
             if causal and not attn.supports_causal:
                 continue
@@ -116,15 +125,23 @@ def check_against_reference(rank, P, cases, dtype):
             grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
             layout = attn.layout_name
             local = [shard(t.detach(), rank, P, layout).requires_grad_() for t in (q, k, v)]
+            attn.zero_grad()
             out = attn(*local, causal=causal)
             out.backward(shard(grad, rank, P, layout).to(dtype))
             assert attn.bytes_sent > 0
             q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
             ref = attn.reference(q64, k64, v64, causal=causal)
-            want = [ref, *torch.autograd.grad(ref, (q64, k64, v64), grad)]
-            got = [gathered(t, P, layout) for t in (out, *(t.grad for t in local))]
+            inputs = (q64, k64, v64, *params)  # reformer reads no k: its dk is zero
+            want = [ref, *(torch.zeros_like(x) if d is None else d
+                           for x, d in zip(inputs, torch.autograd.grad(ref, inputs, grad, allow_unused=True)))]
+            grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in local]
+            got = [gathered(t, P, layout) for t in (out, *grads)]
+            for p in params:
+                got.append(p.grad.clone())
+                dist.all_reduce(got[-1])
             eps = 1e-10 if dtype == torch.float64 else 2e-5
-            for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            names = ("out", "dq", "dk", "dv", *(f"d{n}" for n, _ in attn.named_parameters()))
+            for what, g, w in zip(names, got, want, strict=True):
                 torch.testing.assert_close(g.double(), w, rtol=eps * 10, atol=eps * max(1.0, w.abs().max().item()),
                                            msg=lambda m: f"P={P} {name} {options} causal={causal} {what}: {m}")
 
@@ -194,11 +211,29 @@ def test_bad_options():
         ("ring", {"inner": "blockwise", "inner_options": {"mode": "local"}}, "ring: inner must be an exact variant"),
         ("ring", {"layout": "striped"}, "ring: unknown layout 'striped'; allowed: contiguous, zigzag"),
         ("ulysses", {"inner": "ring"}, "ulysses: inner must be a single-device variant; got 'ring'"),
-        ("ulysses", {"inner": "linear", "inner_options": {"share": "none", "num_heads": 4}}, "treats heads differently"),
         ("ulysses", {"inner": "full", "inner_options": {"backend": "math"}}, "as variant.backend"),
     ]:
         with pytest.raises(VariantError, match=expect.replace("(", r"\(")):
             variants.build(name, **options)
+
+
+@pytest.mark.parametrize("name, options", [("reformer", {"bucket_size": 8}),
+                                           ("adaptive_span", {"max_span": 64, "ramp": 4, "num_heads": 6}),
+                                           ("linear", {"proj_dim": 16, "max_seq_len": 64, "share": "none",
+                                                       "num_heads": 6})])
+def test_a_head_shard_computes_what_its_heads_compute_in_a_call_on_every_head(name, options):
+    """What ulysses relies on, in one process: heads 2 and 3 of 6 run alone with head_shard=(2, 6) equal
+    those heads of the call on all six (per-head rotations, spans, projections: the shard's own)."""
+    attn = variants.build(name, **options).double()
+    if name == "adaptive_span":
+        with torch.no_grad():
+            attn.z.copy_(torch.linspace(2, 40, 6))
+    q, k, v = qkv(1, 6, N, 8, seed=3)
+    whole = attn(q, k, v)
+    attn.head_shard = (2, 6)
+    torch.testing.assert_close(attn(q[:, 2:4], k[:, 2:4], v[:, 2:4]), whole[:, 2:4], rtol=1e-12, atol=1e-12)
+    with pytest.raises(VariantError, match=r"heads \[2, 7\) of a call on heads \[0, 6\): allowed: at most 4 heads"):
+        attn(q[:, :5], k[:, :5], v[:, :5])
 
 
 def ulysses_indivisible(rank, P):

@@ -138,12 +138,18 @@ class AdaptiveSpan(Attention):
 
     # ----- spans ---------------------------------------------------------------------------------------
     def spans(self, num_heads: int | None = None) -> Tensor:
-        """z clamped to [0, S], one per head: (H,) (a shared span expanded to ``num_heads``)."""
+        """z clamped to [0, S]: every head's (None), or those of a call's ``num_heads`` heads, (H,) (a
+        shared span expanded; per-head spans: the call's heads, those of its shard under ulysses)."""
         o = self.options
-        require(num_heads is None or o.num_heads is None or num_heads == o.num_heads,
-                f"adaptive_span: built for num_heads={o.num_heads} (one span per head); got H={num_heads}")
         z = self.z.clamp(0, o.max_span)
-        return z if num_heads is None else z.expand(num_heads)
+        if num_heads is None:
+            return z
+        if o.num_heads is None:
+            return z.expand(num_heads)
+        heads, total = self.heads(num_heads)
+        require(total == o.num_heads,
+                f"adaptive_span: built for num_heads={o.num_heads} (one span per head); got H={total}")
+        return z[heads]
 
     # Training as the paper does (the task calls these on every attention layer)
     def regulariser(self) -> Tensor:

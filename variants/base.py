@@ -78,6 +78,9 @@ class Attention(nn.Module):
                 f"{self.name}: unknown backend {backend!r}; allowed: {', '.join(allowed)}")
         self._backend = allowed[0] if backend is None else backend
         self.last_backend: str | None = None  # set by a backend that chooses a kernel per call (full's auto)
+        # (first, total): the calls get heads [first, first + H) of ``total``. Set by ulysses while it runs
+        # the variant on a head shard; None: a call gets every head. See heads().
+        self.head_shard: tuple[int, int] | None = None
 
     # ----- facts -----------------------------------------------------------------------------------
     def backend_names(self) -> list[str]:
@@ -107,11 +110,15 @@ class Attention(nn.Module):
         """True when the variant computes the same function as ``full``."""
         return False
 
-    @property
-    def heads_independent(self) -> bool:
-        """True when each head's output depends on that head's q, k, v only, the same way for every head
-        (what lets Ulysses run a head shard on its own)."""
-        return True
+    def heads(self, num_heads: int) -> tuple[slice, int]:
+        """Which of the variant's heads a call's ``num_heads`` heads are, and how many there are in all:
+        (slice, total). A variant whose function differs per head (reformer's R_h, adaptive_span's z_h,
+        linear share=none's E_h, F_h) takes that slice of its per-head parts, so a head shard (ulysses)
+        computes exactly what those heads compute in a call on every head."""
+        first, total = (0, num_heads) if self.head_shard is None else self.head_shard
+        require(first + num_heads <= total, f"{self.name}: heads [{first}, {first + num_heads}) of a call on "
+                                            f"heads [0, {total}): allowed: at most {total - first} heads")
+        return slice(first, first + num_heads), total
 
     def available_backends(self, device: torch.device | str) -> list[str]:
         cuda = torch.device(device).type == "cuda"

@@ -45,10 +45,6 @@ class Linear(Attention):
     backends = {"math": False, "sdpa": False}
     supports_causal = False
 
-    @property
-    def heads_independent(self) -> bool:
-        return self.options.share != "none"  # share=none: E_h, F_h of head h
-
     def __init__(self, **options) -> None:
         super().__init__(**options)
         o = self.options
@@ -82,14 +78,17 @@ class Linear(Attention):
         return element_size * B * H * (3 * N * k + 4 * k * D + 6 * N * D)
 
     def projections(self, seq_len: int, num_heads: int) -> tuple[Tensor, Tensor]:
-        """E[:, :N], F[:, :N] as (k, N) or (H, k, N)."""
+        """E[:, :N], F[:, :N] as (k, N), or with share=none the call's heads' (H, k, N) (those of its head
+        shard under ulysses)."""
         o = self.options
         require(seq_len <= o.max_seq_len,
                 f"linear: sequence length N={seq_len} exceeds max_seq_len={o.max_seq_len}; "
                 f"raise max_seq_len to at least {seq_len}")
-        require(o.share != "none" or num_heads == o.num_heads,
-                f"linear: share=none was built for num_heads={o.num_heads}; got H={num_heads}")
-        return self.E[..., :seq_len], self.F[..., :seq_len]
+        if o.share != "none":
+            return self.E[:, :seq_len], self.F[:, :seq_len]
+        heads, total = self.heads(num_heads)
+        require(total == o.num_heads, f"linear: share=none was built for num_heads={o.num_heads}; got H={total}")
+        return self.E[heads, :, :seq_len], self.F[heads, :, :seq_len]
 
     def _project(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         E, F_ = (p.to(k.dtype) for p in self.projections(k.shape[-2], k.shape[1]))

@@ -122,7 +122,9 @@ class Reformer(Attention):
         B, H, N, D = q.shape
         nb = self.num_buckets(N)
         rows = max(1, (N * self.options.bucket_size) // nb)  # temporaries of about N·c elements
-        return hash_buckets(q.to(torch.promote_types(q.dtype, torch.float32)), self.rotations(H, D, nb), rows)
+        heads, total = self.heads(H)  # R_{t,h} of these heads: the same draw on a head shard (ulysses)
+        return hash_buckets(q.to(torch.promote_types(q.dtype, torch.float32)),
+                            self.rotations(total, D, nb)[:, heads], rows)
 
     def num_chunks(self, seq_len: int) -> int:
         return math.ceil(seq_len / self.options.bucket_size)

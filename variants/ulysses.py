@@ -4,11 +4,13 @@ et al. 2023).
 Rank p holds the contiguous shard p of q, k, v, (B, H, n_p, D) (uneven shards: variants/seqpar.py, which
 also says how the forward takes the local shard). One all-to-all turns sequence shards into head
 shards: rank p gets heads [p·H/P, (p+1)·H/P) of the whole sequence, (B, H/P, N, D); the wrapped
-variant (``inner``, with ``inner_options``) runs on them unchanged; a second all-to-all turns its output
-back into sequence shards. The backward is the same two all-to-alls reversed. It computes exactly the
-inner variant's function when that function treats heads independently (the same mask or projections
-for every head): linear with share=none (one E_h, F_h per head) is refused. Needs H % P == 0.
-Memory per rank: the inner variant's at (B, H/P, N, D).
+variant (``inner``, with ``inner_options``) runs on them, told which heads they are (``head_shard``), so
+that a variant whose function differs per head takes those heads' parts (reformer's rotations R_h,
+adaptive_span's spans z_h, linear share=none's E_h, F_h) and the whole computes exactly the inner
+variant's function; a second all-to-all turns its output back into sequence shards. The backward is the
+same two all-to-alls reversed; a per-head parameter's gradient lands on the rank holding that head (their
+sum over the ranks is the whole gradient). Needs H % P == 0. Memory per rank: the inner variant's at
+(B, H/P, N, D).
 """
 
 from __future__ import annotations
@@ -35,13 +37,6 @@ class UlyssesOptions:
 class Ulysses(SequenceParallel):
     name = "ulysses"
     Options = UlyssesOptions
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        inner = self.wrapped
-        require(inner.heads_independent,
-                f"ulysses: inner {inner.name} with {inner.extra_repr()} treats heads differently (one projection "
-                f"per head), so head shards would change its function; use share=headwise or kv")
 
     def inner_build_options(self, inner_options: dict[str, Any]) -> dict[str, Any]:
         require("backend" not in inner_options,
@@ -105,7 +100,11 @@ class Ulysses(SequenceParallel):
         lengths = self.shard_lengths(q.shape[-2], q.device, group, size)
         qkv = AllToAll.apply(torch.stack((q, k, v)), seq_to_heads, heads_to_seq, self, group, rank,
                              lengths)  # (3, B, H/P, N, D)
-        out = self.wrapped(qkv[0], qkv[1], qkv[2], causal=causal)  # (B, H/P, N, D)
+        self.wrapped.head_shard = (rank * (H // size), H)
+        try:
+            out = self.wrapped(qkv[0], qkv[1], qkv[2], causal=causal)  # (B, H/P, N, D)
+        finally:
+            self.wrapped.head_shard = None  # the reference and facts see every head
         self.last_backend = self.wrapped.last_backend
         return AllToAll.apply(out, heads_to_seq, seq_to_heads, self, group, rank, lengths)  # (B, H, n_rank, D)
 
