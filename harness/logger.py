@@ -194,8 +194,14 @@ def wandb_run(cfg: LoggerConfig, directory: Path, config: dict[str, Any], *, nam
               f"logging offline instead (sync later with `wandb sync {directory}/wandb/offline-run-*`)",
               file=sys.stderr)
         run = wandb.init(mode="offline", settings=wandb.Settings(silent=True), **kwargs)
-    with run:
+    # Not `with run:` — its __exit__ prints the traceback of whatever ended the run (an interrupt, a full
+    # disk), where the harness says one line.
+    exit_code = 1
+    try:
         state.save(run.id)
         # A resumed run's config is replaced, not merged with a conflict: the rerun may add lengths.
         run.config.update(config, allow_val_change=True)
         yield RunLogger(run, state)
+        exit_code = 0
+    finally:
+        run.finish(exit_code=exit_code)

@@ -40,9 +40,10 @@ def cli(*args: str, wandb: bool = False, timeout: float = 120) -> subprocess.Com
                           env=env)
 
 
-def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(harness(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+def start(*args: str, wandb: bool = False) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    return subprocess.Popen(harness(*args, wandb=wandb), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=env)
 
 
 def lines_of(path: Path) -> list[str]:
@@ -193,10 +194,13 @@ def test_a_cut_last_line_is_moved_aside_not_appended_to(tmp_path):
 
 # ----- 4: interrupts and broken output directories ----------------------------------------------------
 
-@pytest.mark.parametrize("sig,code,name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
-def test_an_interrupt_is_one_line_status_interrupted_and_resumable(tmp_path, sig, code, name):
+@pytest.mark.parametrize("sig,code,name,wandb", [(signal.SIGINT, 130, "Ctrl-C", False),
+                                                (signal.SIGTERM, 143, "SIGTERM", False),
+                                                (signal.SIGINT, 130, "Ctrl-C", True)],  # wandb's run ends too
+                         ids=["Ctrl-C", "SIGTERM", "Ctrl-C-wandb"])
+def test_an_interrupt_is_one_line_status_interrupted_and_resumable(tmp_path, sig, code, name, wandb):
     out = tmp_path / "D"
-    proc = start("seq_lens=[32,40,48,56]", "measure.min_run_time=0.3", f"hydra.run.dir={out}")
+    proc = start("seq_lens=[32,40,48,56]", "measure.min_run_time=0.3", f"hydra.run.dir={out}", wandb=wandb)
     wait_for(lambda: len(lines_of(out / "results.jsonl")) >= 1, proc, "a first point")
     os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=60)
