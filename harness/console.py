@@ -24,7 +24,9 @@ MiB = 2**20
 
 
 def make_console() -> Console:
-    return Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+    # markup=False: a title, path or label is shown as it is (`[window=256]`, `measure.passes=[fwd]`), never
+    # read as a style tag
+    return Console(highlight=False, markup=False, soft_wrap=not sys.stdout.isatty())
 
 
 def _num(x: float | None, digits: int = 3) -> str:

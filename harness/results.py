@@ -613,8 +613,10 @@ class ResultStore:
 
     ``resume=True`` keeps the valid rows of ``results.jsonl`` (``rows``, in file order) and appends;
     damaged lines are moved verbatim to ``results.jsonl.damaged-<time>`` first (one warning). ``resume=
-    False`` moves an existing file aside (``results.jsonl.replaced-<time>``). Nothing is ever deleted.
-    ``results.csv`` is the view: one row per point (the latest), rewritten whole after each point.
+    False`` moves an existing file aside (``results.jsonl.replaced-<time>``, and its ``fit.json`` with it).
+    Nothing is ever deleted.
+    ``results.csv`` is the view: one row per point (the latest), rewritten whole when the store opens
+    (a run interrupted between its jsonl line and the rewrite left it short) and after each point.
     Raises LockedError when another run holds the directory, OSError when it cannot be written."""
 
     def __init__(self, output_dir: Path, resume: bool = True, warn=None) -> None:
@@ -632,9 +634,14 @@ class ResultStore:
             if self.jsonl.exists():
                 if resume:
                     self._load()
-                else:
-                    self.jsonl.rename(self.jsonl.with_name(f"{self.jsonl.name}.replaced-{_stamp()}"))
+                else:  # fit.json goes with the rows it fits
+                    stamp = _stamp()
+                    for path in (self.jsonl, self.output_dir / "fit.json"):
+                        if path.exists():
+                            path.rename(path.with_name(f"{path.name}.replaced-{stamp}"))
             open(self.jsonl, "a").close()  # writable, or OSError now, before anything is measured
+            if self.rows or self.csv.exists():
+                write_csv(self.csv, latest(self.rows))
         except BaseException:
             self.lock.release()
             raise

@@ -160,10 +160,12 @@ def test_the_console_marks_noisy_points_and_fits_at_100_columns():
 
 
 def test_off_a_terminal_each_point_is_one_plain_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "harness", *TINY, "seq_lens=[32,48]", f"hydra.run.dir={tmp_path}"],
+    out = tmp_path / "measure.passes=[fwd]"  # as a sweep names its job directories: shown as it is
+    proc = subprocess.run([sys.executable, "-m", "harness", *TINY, "seq_lens=[32,48]", f"hydra.run.dir='{out}'"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
+    assert lines[0].endswith(f"-> {out}"), lines[0]
     assert [line.split(":")[0] for line in lines[1:3]] == ["N=32 ok", "N=48 ok"] or \
         [line.split(":")[0].rstrip("*") for line in lines[1:3]] == ["N=32 ok", "N=48 ok"], proc.stdout
     assert not any("│" in line or "━" in line for line in lines), proc.stdout  # no table drawn

@@ -17,7 +17,7 @@ import time
 import pytest
 import yaml
 
-from harness.results import point_key, read_jsonl
+from harness.results import ResultStore, point_key, read_csv, read_jsonl, write_csv
 from harness.run import lacking, run, validate, wanted_points
 
 from .conftest import ROOT
@@ -90,10 +90,26 @@ def test_rerunning_a_finished_run_measures_nothing_and_resume_false_keeps_the_ol
     run(compose_cfg(*args, "seq_lens=[40]", "head_dim=16"), output_dir=tmp_path)
     assert [(r["seq_len"], r["head_dim"]) for r in read_jsonl(tmp_path / "results.jsonl")][-1] == (40, 16)
 
+    assert (tmp_path / "fit.json").exists()
     run(compose_cfg(*args, "seq_lens=[40]", "resume=false"), output_dir=tmp_path)
     assert len(read_jsonl(tmp_path / "results.jsonl")) == 1
     (old,) = tmp_path.glob("results.jsonl.replaced-*")
     assert len(read_jsonl(old)) == 4, "resume=false moves the old results aside, it never deletes them"
+    # Their fit goes with them (one length fits nothing), and the view shows only what the file holds
+    assert not (tmp_path / "fit.json").exists() and len(list(tmp_path.glob("fit.json.replaced-*"))) == 1
+    assert [r["seq_len"] for r in read_csv(tmp_path / "results.csv")] == [40]
+
+
+def test_results_csv_left_short_by_an_interrupt_is_made_whole_when_the_store_opens(tmp_path):
+    """A run stopped between its results.jsonl line and the results.csv rewrite: the next run's store
+    shows every stored point in the CSV before it measures anything."""
+    args = ("variant=full", "seq_lens=[32,40]", "num_heads=1", "head_dim=8", "measure.min_run_time=0.01",
+            "logger=none")
+    run(compose_cfg(*args), output_dir=tmp_path)
+    rows = read_jsonl(tmp_path / "results.jsonl")
+    write_csv(tmp_path / "results.csv", rows[:1])
+    ResultStore(tmp_path).close()
+    assert [r["seq_len"] for r in read_csv(tmp_path / "results.csv")] == [32, 40]
 
 
 def test_an_interrupted_run_says_interrupted_in_its_status(tmp_path, monkeypatch):
