@@ -28,6 +28,7 @@ def hydra_main(cfg: DictConfig) -> None:
     from variants import VariantError
 
     from harness.config import ConfigError, one_line
+    from harness.multirun import record_refused
     from harness.results import JobStatus
     from harness.run import DirectoryInUse, RunFailed, RunInterrupted, run
 
@@ -48,12 +49,15 @@ def hydra_main(cfg: DictConfig) -> None:
         if not multirun:
             fail(one_line(e), 1 if isinstance(e, RunFailed) else 2)
         # One job of a sweep that cannot run (linear in a causal sweep) or could not finish: said in one
-        # line and in the job's status.json (unless another run holds its directory); the others go on.
-        if not isinstance(e, (RunFailed, DirectoryInUse)):
-            try:
+        # line and in the job's status.json (the sweep's refused-jobs.jsonl when another command's run holds
+        # its directory); the others go on, and the multirun exits 1 (harness.multirun).
+        try:
+            if isinstance(e, DirectoryInUse):  # its status.json is the holder's to write
+                record_refused(hc.sweep.dir, hc.job.num, hc.job.override_dirname, one_line(e))
+            elif not isinstance(e, RunFailed):
                 JobStatus(Path(hc.runtime.output_dir), None).finish("refused", one_line(e))
-            except OSError:
-                pass
+        except OSError:
+            pass
         print(f"error: job {hc.job.num} ({hc.job.override_dirname}): {one_line(e)}", file=sys.stderr)
 
 
@@ -87,6 +91,10 @@ def main() -> None:
         except ConfigError as e:
             fail(one_line(e))
         hydra_main()
+        from harness.multirun import NOT_COMPLETE
+
+        if NOT_COMPLETE:  # a multirun whose every job ran, but not every one completed
+            fail(NOT_COMPLETE[0], 1)
     except KeyboardInterrupt as e:  # before or between runs (startup, composing): nothing was measured
         from harness.run import Terminated
 

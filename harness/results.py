@@ -512,31 +512,49 @@ class LockedError(Exception):
 
 class DirectoryLock:
     """An exclusive lock on an output directory for the whole run: ``flock`` on ``harness.lock``, which
-    also holds the holder's pid, host and start time. The kernel drops the lock when its process dies,
-    however it dies; the holder's line left in the file then says a run ended without releasing it,
-    and the next run takes it over and says so."""
+    also holds the holder's pid, host, start time and sweep. The kernel drops the lock when its process
+    dies, however it dies; the holder's line left in the file then says a run ended without releasing
+    it, and the next run takes it over and says so.
+
+    ``sweep``: the sweep directory of a multirun's job. Jobs of one sweep that differ only in a key left
+    out of their directory's name (seq_lens, logger, ...) share a directory; a parallel launcher runs them
+    at once, and then one waits for the other (``on_wait`` says so) instead of being refused: both
+    measure their points, one after the other."""
 
     NAME = "harness.lock"
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, sweep: str | None = None) -> None:
         self.path = Path(directory) / self.NAME
+        self.sweep = sweep
         self._file = None
         self.taken_over: dict[str, Any] | None = None  # the dead holder's line, when one was left
 
-    def acquire(self) -> "DirectoryLock":
+    def acquire(self, on_wait: Callable[[str], None] | None = None) -> "DirectoryLock":
         f = open(self.path, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(f)
-            f.close()
-            raise LockedError(f"{self.path.parent} is in use by another run ({describe_holder(holder)}); wait "
-                              f"for it to finish or use another output directory") from None
+            for _ in range(20):  # a holder between its flock and its line: a moment
+                if holder:
+                    break
+                time.sleep(0.05)
+                holder = _holder(f)
+            if self.sweep is None or holder.get("sweep") != self.sweep:
+                f.close()
+                raise LockedError(f"{self.path.parent} is in use by another run ({describe_holder(holder)}); "
+                                  f"wait for it to finish or use another output directory") from None
+            if on_wait is not None:
+                on_wait(f"waiting for another job of this sweep, which holds {self.path.parent} "
+                        f"({describe_holder(holder)})")
+            fcntl.flock(f, fcntl.LOCK_EX)
         previous = _holder(f)
         self.taken_over = previous or None
         f.seek(0)
         f.truncate()
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": _now()}) + "\n")
+        line = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now(),
+                **({"sweep": self.sweep} if self.sweep is not None else {})}
+        f.write(json.dumps(line) + "\n")
         f.flush()
         os.fsync(f.fileno())
         self._file = f
@@ -617,16 +635,17 @@ class ResultStore:
     Nothing is ever deleted.
     ``results.csv`` is the view: one row per point (the latest), rewritten whole when the store opens
     (a run interrupted between its jsonl line and the rewrite left it short) and after each point.
-    Raises LockedError when another run holds the directory, OSError when it cannot be written."""
+    Raises LockedError when another run holds the directory (another job of the same ``sweep`` is waited
+    for: DirectoryLock), OSError when it cannot be written."""
 
-    def __init__(self, output_dir: Path, resume: bool = True, warn=None) -> None:
+    def __init__(self, output_dir: Path, resume: bool = True, warn=None, sweep: str | None = None) -> None:
         self.output_dir = Path(output_dir)
         self.warn = warn or _stderr
         self.jsonl = self.output_dir / "results.jsonl"
         self.csv = self.output_dir / "results.csv"
         self.rows: list[dict[str, Any]] = []
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.lock = DirectoryLock(self.output_dir).acquire()
+        self.lock = DirectoryLock(self.output_dir, sweep).acquire(on_wait=self.warn)
         try:
             if self.lock.taken_over:
                 self.warn(f"took over {self.lock.path}, left by a run that is gone "

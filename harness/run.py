@@ -170,7 +170,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
             return None
         out_dir = resolve_output_dir(output_dir, settings)
         try:
-            store = ResultStore(out_dir, resume=settings.resume)
+            store = ResultStore(out_dir, resume=settings.resume, sweep=sweep_dir())
         except LockedError as e:
             raise DirectoryInUse(str(e)) from None
         except OSError as e:
@@ -332,16 +332,22 @@ def point_identity(attn: variants.Attention, s: Settings, device: torch.device, 
                 **{f"{TASK_OPT_PREFIX}{k}": v for k, v in task_options(s, attn, seq_len)})
 
 
-def sweep_group(s: Settings) -> str | None:
-    """The wandb group: ``logger.group``, else the sweep's (``sweep_group_name``) under a Hydra multirun."""
-    if s.logger.group is not None:
-        return s.logger.group
+def sweep_dir() -> str | None:
+    """The sweep directory (absolute) of the Hydra multirun this run is a job of; None outside one."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return sweep_group_name(HydraConfig.get().sweep.dir)
+        return str(Path(HydraConfig.get().sweep.dir).resolve())
     return None
+
+
+def sweep_group(s: Settings) -> str | None:
+    """The wandb group: ``logger.group``, else the sweep's (``sweep_group_name``) under a Hydra multirun."""
+    if s.logger.group is not None:
+        return s.logger.group
+    sweep = sweep_dir()
+    return None if sweep is None else sweep_group_name(sweep)
 
 
 def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device,

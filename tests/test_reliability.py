@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import variants
-from harness.results import DirectoryLock, ResultStore, job_state, parse_jsonl, read_jsonl
+from harness.results import DirectoryLock, JobStatus, ResultStore, job_state, parse_jsonl, read_jsonl
 from harness.run import run
 
 from .conftest import ROOT
@@ -126,6 +126,44 @@ def test_the_same_command_started_twice_at_once_measures_every_point_once(tmp_pa
     assert seq_lens_of(out) == [32, 40, 48, 56]
     with open(out / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == 4  # the csv agrees with the jsonl
+
+
+def test_a_job_of_the_same_sweep_waits_for_the_lock_any_other_run_is_refused(tmp_path):
+    import threading
+
+    from harness.results import LockedError
+
+    held = DirectoryLock(tmp_path, sweep="/s").acquire()
+    with pytest.raises(LockedError, match="is in use by another run"):
+        DirectoryLock(tmp_path, sweep="/other").acquire()
+    with pytest.raises(LockedError, match="is in use by another run"):
+        DirectoryLock(tmp_path).acquire()
+    said, got = [], []
+    waiter = threading.Thread(target=lambda: got.append(DirectoryLock(tmp_path, sweep="/s").acquire(said.append)))
+    waiter.start()
+    waiter.join(timeout=1.0)
+    assert waiter.is_alive() and not got and "waiting for another job of this sweep" in said[0], said
+    held.release()
+    waiter.join(timeout=10)
+    assert got and got[0].taken_over is None  # released cleanly: nothing to take over
+    got[0].release()
+
+
+def test_a_job_refused_for_another_commands_run_counts_in_the_sweeps_outcome(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from harness import multirun
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    (tmp_path / multirun.REFUSED).write_text("stale\n")
+    multirun.Outcome().on_multirun_start(config)  # a new multirun: the last one's refusals are gone
+    (tmp_path / "job").mkdir()
+    JobStatus(tmp_path / "job", 1).finish("completed")
+    multirun.record_refused(tmp_path, 1, "variant=full", "... is in use by another run ...")
+    multirun.Outcome().on_multirun_end(config)
+    assert "jobs: 2 (completed 1, refused (directory in use) 1)" in capsys.readouterr().out
+    assert multirun.NOT_COMPLETE and "not every job of the sweep completed" in multirun.NOT_COMPLETE[0]
+    multirun.NOT_COMPLETE.clear()
 
 
 def test_a_lock_left_by_a_killed_run_is_taken_over_and_said(tmp_path):

@@ -119,8 +119,32 @@ def test_a_refused_job_makes_the_sweep_exit_1_and_the_others_complete(tmp_path):
     sweep_dir = tmp_path / "sweep"
     p = sweep("cpu_small", *TINY, "variant=full,linear", "causal=true", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
     assert p.returncode == 1, p.stdout + p.stderr
-    assert "jobs: 2 (completed 1, refused 1)" in p.stdout and "not every job completed" in p.stderr
+    assert "jobs: 2 (completed 1, refused 1)" in p.stdout and "not every job of the sweep completed" in p.stderr
     check_jobs(sweep_dir, ["full"])  # linear cannot be causal: refused, its job dir holds status.json only
+
+
+def test_a_multirun_with_a_refused_job_exits_1_without_the_script(tmp_path):
+    """The harness itself says how a multirun ended (harness/multirun.py), so `python -m harness -m` with a
+    value every job refuses is not exit 0."""
+    p = subprocess.run([sys.executable, "-m", "harness", "-m", *TINY, "seq_len=-5", f"hydra.sweep.dir={tmp_path}"],
+                       check=False, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "jobs: 1 (refused 1)" in p.stdout
+    error = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert "seq_len" in error[0] and "not every job of the sweep completed" in error[-1], p.stderr
+
+
+def test_parallel_jobs_sharing_a_directory_wait_for_each_other(tmp_path):
+    """seq_lens is not part of a job's directory name: a sweep over it has two jobs in one directory,
+    which the parallel launcher runs at once. The second waits for the first, then both are measured."""
+    sweep_dir = tmp_path / "sweep"
+    p = sweep("cpu_small", *TINY, "variant=full", "seq_lens=[32],[64]", "hydra/launcher=local_parallel",
+              f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "jobs: 1 (completed 1)" in p.stdout
+    (job,) = jobs(sweep_dir).values()
+    rows = [json.loads(line) for line in (job / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["seq_len"] for r in rows) == [32, 64] and all(r["status"] == "ok" for r in rows), rows
 
 
 def test_a_rerun_with_more_lengths_extends_the_same_jobs(tmp_path):

@@ -1,0 +1,63 @@
+"""How a multirun (``python -m harness -m ...``, scripts/sweep.sh) ends, whatever launched its jobs: one
+line with every job's state, and exit status 1 when a job did not complete.
+
+A job's state is its directory's status.json (``harness.results.job_state``): what the job said itself
+(completed, refused, failed, interrupted), or what the SLURM launcher wrote for a job that could not. A
+job refused because another command's run holds its directory cannot write there: it adds a line to
+the sweep's ``refused-jobs.jsonl`` instead, read here, and emptied when the next multirun starts.
+
+Hydra calls ``Outcome`` in the process that runs the sweep (conf/config.yaml, ``hydra.callbacks``), with
+the jobs in that process (basic launcher) or elsewhere (joblib, submitit, SLURM).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+REFUSED = "refused-jobs.jsonl"
+# What the multirun that just ended says when one of its jobs did not complete (harness.__main__ exits 1).
+NOT_COMPLETE: list[str] = []
+
+
+def job_states(root: Path) -> dict[Path, str]:
+    """Every job directory under a sweep directory (one with results.jsonl or status.json; a report's
+    folders excluded) -> its state."""
+    from harness.results import job_state  # "gone": said running, but no live process holds it
+
+    jobs = {p.parent for name in ("results.jsonl", "status.json") for p in root.rglob(name)}
+    return {job: str(job_state(job).get("state", "?")) for job in sorted(jobs)
+            if "report" not in job.relative_to(root).parts}
+
+
+def record_refused(sweep_dir: str | Path, num: int, overrides: str, message: str) -> None:
+    """A job that could not say so in its own directory (another run holds it)."""
+    with open(Path(sweep_dir) / REFUSED, "a") as f:
+        f.write(json.dumps({"job": num, "overrides": overrides, "error": message}) + "\n")
+
+
+class Outcome(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        NOT_COMPLETE.clear()
+        (Path(str(config.hydra.sweep.dir)) / REFUSED).unlink(missing_ok=True)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        root = Path(str(config.hydra.sweep.dir))
+        if not root.is_dir():
+            return
+        states = collections.Counter(job_states(root).values())
+        refused = root / REFUSED
+        if refused.exists():  # each a job whose directory another job's status.json speaks for
+            states["refused (directory in use)"] += len(refused.read_text().splitlines())
+        if not states:
+            return
+        summary = f"jobs: {sum(states.values())} ({', '.join(f'{s} {n}' for s, n in sorted(states.items()))})"
+        print(summary, flush=True)
+        if set(states) - {"completed"}:
+            NOT_COMPLETE.append(f"not every job of the sweep completed ({summary}; see each job's status.json "
+                                f"and the lines above); rerun the same command to resume")
