@@ -28,7 +28,7 @@ def hydra_main(cfg: DictConfig) -> None:
     from variants import VariantError
 
     from harness.config import ConfigError, one_line
-    from harness.multirun import record_refused
+    from harness.hydra_hooks import record_refused
     from harness.results import JobStatus
     from harness.run import DirectoryInUse, RunFailed, RunInterrupted, run
 
@@ -50,7 +50,7 @@ def hydra_main(cfg: DictConfig) -> None:
             fail(one_line(e), 1 if isinstance(e, RunFailed) else 2)
         # One job of a sweep that cannot run (linear in a causal sweep) or could not finish: said in one
         # line and in the job's status.json (the sweep's refused-jobs.jsonl when another command's run holds
-        # its directory); the others go on, and the multirun exits 1 (harness.multirun).
+        # its directory); the others go on, and the multirun exits 1 (harness/hydra_hooks.py).
         try:
             if isinstance(e, DirectoryInUse):  # its status.json is the holder's to write
                 record_refused(hc.sweep.dir, hc.job.num, hc.job.override_dirname, one_line(e))
@@ -91,7 +91,7 @@ def main() -> None:
         except ConfigError as e:
             fail(one_line(e))
         hydra_main()
-        from harness.multirun import NOT_COMPLETE
+        from harness.hydra_hooks import NOT_COMPLETE
 
         if NOT_COMPLETE:  # a multirun whose every job ran, but not every one completed
             fail(NOT_COMPLETE[0], 1)

@@ -542,8 +542,7 @@ class DirectoryLock:
                 holder = _holder(f)
             if self.sweep is None or holder.get("sweep") != self.sweep:
                 f.close()
-                raise LockedError(f"{self.path.parent} is in use by another run ({describe_holder(holder)}); "
-                                  f"wait for it to finish or use another output directory") from None
+                raise LockedError(in_use_message(self.path.parent, holder)) from None
             if on_wait is not None:
                 on_wait(f"waiting for another job of this sweep, which holds {self.path.parent} "
                         f"({describe_holder(holder)})")
@@ -572,18 +571,29 @@ class DirectoryLock:
             self._file = None
 
     @staticmethod
-    def is_held(directory: Path) -> bool:
-        """Whether a live process holds ``directory``'s lock (tried without waiting, released at once)."""
+    def in_use(directory: Path) -> str | None:
+        """Why ``directory`` cannot be run into now (a live process holds its lock; one line), or None
+        (tried without waiting, released at once)."""
         path = Path(directory) / DirectoryLock.NAME
         if not path.exists():
-            return False
+            return None
         with open(path) as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                return True
+                return in_use_message(Path(directory), _holder(f))
             fcntl.flock(f, fcntl.LOCK_UN)
-        return False
+        return None
+
+    @staticmethod
+    def is_held(directory: Path) -> bool:
+        """Whether a live process holds ``directory``'s lock."""
+        return DirectoryLock.in_use(directory) is not None
+
+
+def in_use_message(directory: Path, holder: dict[str, Any]) -> str:
+    return (f"{directory} is in use by another run ({describe_holder(holder)}); wait for it to finish or use "
+            f"another output directory")
 
 
 def _holder(f) -> dict[str, Any]:

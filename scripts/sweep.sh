@@ -84,7 +84,7 @@ if [[ "$SWEEP_DIR" == *'${'* ]]; then  # an interpolation (${now:...}): Hydra's 
     echo "report: $PYTHON -m harness.report SWEEP_DIR"
 elif [ -d "$SWEEP_DIR" ]; then
     # The harness printed "jobs: 5 (completed 4, refused 1)" and exited 1 where a job did not complete
-    # (harness/multirun.py), whatever the launcher.
+    # (harness/hydra_hooks.py), whatever the launcher.
     echo "sweep $PRESET -> $SWEEP_DIR (exit $rc)"
     echo "report: $PYTHON -m harness.report $(printf "%q" "$SWEEP_DIR")"
 else

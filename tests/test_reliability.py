@@ -104,15 +104,20 @@ def test_extending_a_run_with_wandb_on_logs_each_point_once_in_one_run(tmp_path)
 # ----- 2: two writers on one directory ---------------------------------------------------------------
 
 def test_a_second_run_on_a_busy_directory_is_refused_naming_the_holder(tmp_path):
-    holder = ResultStore(tmp_path / "D")  # a live holder: this test process
+    out = tmp_path / "D"
+    assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
+    record = {name: (out / ".hydra" / name).read_text() for name in ("config.yaml", "overrides.yaml")}
+    holder = ResultStore(out)  # a live holder: this test process
     try:
-        proc = cli("seq_lens=[32]", f"hydra.run.dir={tmp_path / 'D'}")
+        proc = cli("seq_lens=[32,40]", "seed=7", f"hydra.run.dir={out}")
     finally:
         holder.close()
     assert proc.returncode == 2
     line = error_line(proc.stderr)
     assert "in use by another run" in line and f"pid {os.getpid()}" in line and "started" in line, line
-    assert not (tmp_path / "D" / "status.json").exists() and lines_of(tmp_path / "D" / "results.jsonl") == []
+    assert seq_lens_of(out) == [32] and json.loads((out / "status.json").read_text())["state"] == "completed"
+    # Refused before Hydra wrote its record of the refused command over the holder's
+    assert {name: (out / ".hydra" / name).read_text() for name in record} == record
 
 
 def test_the_same_command_started_twice_at_once_measures_every_point_once(tmp_path):
@@ -152,15 +157,15 @@ def test_a_job_of_the_same_sweep_waits_for_the_lock_any_other_run_is_refused(tmp
 def test_a_job_refused_for_another_commands_run_counts_in_the_sweeps_outcome(tmp_path, capsys):
     from omegaconf import OmegaConf
 
-    from harness import multirun
+    from harness import hydra_hooks as multirun
 
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
     (tmp_path / multirun.REFUSED).write_text("stale\n")
-    multirun.Outcome().on_multirun_start(config)  # a new multirun: the last one's refusals are gone
+    multirun.Hooks().on_multirun_start(config)  # a new multirun: the last one's refusals are gone
     (tmp_path / "job").mkdir()
     JobStatus(tmp_path / "job", 1).finish("completed")
     multirun.record_refused(tmp_path, 1, "variant=full", "... is in use by another run ...")
-    multirun.Outcome().on_multirun_end(config)
+    multirun.Hooks().on_multirun_end(config)
     assert "jobs: 2 (completed 1, refused (directory in use) 1)" in capsys.readouterr().out
     assert multirun.NOT_COMPLETE and "not every job of the sweep completed" in multirun.NOT_COMPLETE[0]
     multirun.NOT_COMPLETE.clear()

@@ -124,7 +124,7 @@ def test_a_refused_job_makes_the_sweep_exit_1_and_the_others_complete(tmp_path):
 
 
 def test_a_multirun_with_a_refused_job_exits_1_without_the_script(tmp_path):
-    """The harness itself says how a multirun ended (harness/multirun.py), so `python -m harness -m` with a
+    """The harness itself says how a multirun ended (harness/hydra_hooks.py), so `python -m harness -m` with a
     value every job refuses is not exit 0."""
     p = subprocess.run([sys.executable, "-m", "harness", "-m", *TINY, "seq_len=-5", f"hydra.sweep.dir={tmp_path}"],
                        check=False, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)

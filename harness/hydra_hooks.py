@@ -1,19 +1,24 @@
-"""How a multirun (``python -m harness -m ...``, scripts/sweep.sh) ends, whatever launched its jobs: one
-line with every job's state, and exit status 1 when a job did not complete.
+"""What the harness does around Hydra's runs (conf/config.yaml, ``hydra.callbacks``), in the process that
+runs the command.
 
-A job's state is its directory's status.json (``harness.results.job_state``): what the job said itself
-(completed, refused, failed, interrupted), or what the SLURM launcher wrote for a job that could not. A
-job refused because another command's run holds its directory cannot write there: it adds a line to
-the sweep's ``refused-jobs.jsonl`` instead, read here, and emptied when the next multirun starts.
+Before a single run: Hydra writes the run's ``.hydra/`` (config, overrides) into its directory before the
+harness can take the directory's lock, so a second run into a directory another run holds would have
+replaced the first one's record before being refused. It is refused here first, in one line, exit 2.
 
-Hydra calls ``Outcome`` in the process that runs the sweep (conf/config.yaml, ``hydra.callbacks``), with
-the jobs in that process (basic launcher) or elsewhere (joblib, submitit, SLURM).
+How a multirun (``python -m harness -m ...``, scripts/sweep.sh) ends, whatever launched its jobs (basic
+launcher: in this process; joblib, submitit, SLURM: elsewhere): one line with every job's state, and exit
+status 1 when a job did not complete. A job's state is its directory's status.json
+(``harness.results.job_state``): what the job said itself (completed, refused, failed, interrupted), or
+what the SLURM launcher wrote for a job that could not. A job refused because another command's run
+holds its directory cannot write there: it adds a line to the sweep's ``refused-jobs.jsonl`` instead,
+read here, and emptied when the next multirun starts.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +46,16 @@ def record_refused(sweep_dir: str | Path, num: int, overrides: str, message: str
         f.write(json.dumps({"job": num, "overrides": overrides, "error": message}) + "\n")
 
 
-class Outcome(Callback):
+class Hooks(Callback):
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from harness.results import DirectoryLock
+
+        if config.get("output_dir") is None:  # else the results go elsewhere: no clash in hydra.run.dir
+            busy = DirectoryLock.in_use(Path(str(config.hydra.run.dir)))
+            if busy is not None:
+                print(f"error: {busy}", file=sys.stderr)
+                sys.exit(2)
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         NOT_COMPLETE.clear()
         (Path(str(config.hydra.sweep.dir)) / REFUSED).unlink(missing_ok=True)
