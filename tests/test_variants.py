@@ -202,12 +202,15 @@ def test_degenerate_equals_full(name, options, causal):
     attn = variants.build(name, **options)
     q, k, v = qkv(2, 2, N, 16)
     full = variants.build("full", backend="math")(q, k, v, causal=causal)
+    every = full.new_ones(N, N, dtype=torch.bool)
+    want = every.tril() if causal else every
     if name == "sliding_window" and options.get("dilation", 1) > 1:
-        # Dilation keeps only keys with (i − j) mod d == 0: not full, and the mask says so.
-        assert not attn.mask(N).all()
-        return
-    assert attn.mask(N, causal).equal(full.new_ones(N, N, dtype=torch.bool).tril() if causal
-                                      else full.new_ones(N, N, dtype=torch.bool))
+        # A band reaching every key, so only the residue rule (i − j) mod d == 0 is left: full attention
+        # over those keys, with nothing cut at the band's edge
+        i = torch.arange(N)
+        want = want & ((i[:, None] - i[None, :]) % options["dilation"] == 0)
+        full = dense_attention(q, k, v, want, 16 ** -0.5)
+    assert attn.mask(N, causal).equal(want)
     torch.testing.assert_close(attn(q, k, v, causal=causal), full, rtol=1e-12, atol=1e-12)
 
 
