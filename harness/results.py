@@ -434,25 +434,40 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
     warn = warn or _stderr
     rows: list[dict[str, Any]] = []
     notices: list[str] = []
+    files_of: dict[tuple, list[Path]] = {}  # point -> the files holding a row of it
     for file in result_files(path):
         try:
             if file.suffix == ".jsonl":
                 contents = parse_jsonl(file.read_text())
                 if contents.warning(file):
                     notices.append(f"{contents.warning(file)}: left out")
-                rows += contents.rows
+                found = contents.rows
             else:
-                rows += [r for r in read_csv(file) if row_problem(r) is None]
+                found = [r for r in read_csv(file) if row_problem(r) is None]
         except (OSError, UnicodeDecodeError, csv.Error) as err:
             raise InputError(f"{file}: cannot read ({type(err).__name__}: {err})") from None
+        for row in found:
+            files_of.setdefault(point_key(row), [])
+            if file not in files_of[point_key(row)]:
+                files_of[point_key(row)].append(file)
+        rows += found
     if not rows:
         raise InputError(f"{path}: no result rows found" + (f" ({notices[0]})" if notices else ""))
     for notice in notices:
         warn(notice)
     points = latest(rows)
-    if len(points) < len(rows):
-        warn(f"{path}: {len(rows) - len(points)} row(s) are earlier measurements of a point measured again; "
-             f"the last measurement of each point is used")
+    # A point in two files is two runs of it (jobs that differ only in a setting outside the identity,
+    # e.g. measure.timer; or two machines): not a re-measurement, and not to be hidden as one.
+    shared = [files for files in files_of.values() if len(files) > 1]
+    if shared:
+        warn(f"{path}: {len(shared)} point(s) are in more than one results file (e.g. "
+             f"{' and '.join(str(f.parent) for f in shared[0][:2])}: runs that differ only in a setting that "
+             f"is not part of a point, or another machine); each point's row from the file read last is used. "
+             f"Give the report one of them to choose")
+    again = len(rows) - len(points) - sum(len(files) - 1 for files in shared)
+    if again > 0:
+        warn(f"{path}: {again} row(s) are earlier measurements of a point measured again; the last measurement "
+             f"of each point is used")
     return points
 
 

@@ -127,6 +127,19 @@ def test_fitted_exponent_recovers_known_slope(made):
         == pytest.approx(1.0, abs=1e-9)
 
 
+def test_a_point_in_two_files_is_said_apart_from_one_measured_again(tmp_path):
+    """Two job directories with the same point (jobs differing only in measure.timer, or two machines)
+    are two runs of it, not a re-measurement: the notice names the files."""
+    write_sweep(tmp_path, [[row("full", "sdpa", 64, fwd=1.0), row("full", "sdpa", 64, fwd=2.0)],
+                           [row("full", "sdpa", 64, fwd=3.0, device_name="Other CPU")]])
+    said = []
+    (point,) = load_rows(tmp_path, warn=said.append)
+    assert point["fwd_ms"] == 3.0  # the file read last
+    assert len(said) == 2 and "1 point(s) are in more than one results file" in said[0], said
+    assert f"{tmp_path / '0'} and {tmp_path / '1'}" in said[0]
+    assert "1 row(s) are earlier measurements of a point measured again" in said[1]
+
+
 def test_crossover_and_max_fitting_on_constructed_case():
     def rows_of(times, status=None):
         status = status or {}
