@@ -229,6 +229,11 @@ def row_problem(row: Any) -> str | None:
             return f"{name}={v!r} is not {' or '.join(t.__name__ for t in types)}"
         if isinstance(v, float) and not math.isfinite(v):
             return f"{name} is not finite"
+    # Any other field (an option, a task setting): NaN and infinities are not JSON, and a row is rewritten
+    # as JSON when damaged lines are moved aside
+    odd = [k for k, v in row.items() if k not in SCHEMA and isinstance(v, float) and not math.isfinite(v)]
+    if odd:
+        return f"{odd[0]} is not finite"
     if row["status"] not in STATUSES:
         return f"status {row['status']!r} is not one of {', '.join(STATUSES)}"
     if row["seq_len"] <= 0:

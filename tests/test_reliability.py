@@ -204,13 +204,14 @@ def test_damaged_lines_are_moved_aside_said_and_their_points_measured_again(tmp_
         json.dumps(no_status),  # 5: a row without status must not count as done
         json.dumps(text_len),  # 6: a string seq_len must not make its point measured twice
         "[1, 2, 3]",  # 7: valid JSON, not an object
+        json.dumps({**r56, "opt_extra": float("nan")}),  # 8: NaN (not JSON) in a field outside the schema
     ]
     (out / "results.jsonl").write_text("\n".join(["", *damaged]) + "\n")  # line 1 empty
     proc = cli("seq_lens=[32,40,48,56]", f"hydra.run.dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     warning = [line for line in proc.stderr.splitlines() if "damaged line(s)" in line]
     assert len(warning) == 1, proc.stderr
-    for n in (2, 3, 4, 5, 6, 7):
+    for n in (2, 3, 4, 5, 6, 7, 8):
         assert f" {n} (" in warning[0], (n, warning[0])
     assert "a whole row inside line(s) 3 kept" in warning[0]
     (aside,) = out.glob("results.jsonl.damaged-*")
