@@ -342,6 +342,9 @@ class Contents:
         return f"{path}: damaged line(s) {lines}{more}{kept}"
 
 
+UNDECODABLE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of bytes that are not UTF-8
+
+
 def parse_jsonl(text: str, check: Callable[[Any], str | None] | None = None) -> Contents:
     """``check``: why a parsed line is not a row (default ``row_problem``: a result row)."""
     check = check or row_problem
@@ -351,7 +354,7 @@ def parse_jsonl(text: str, check: Callable[[Any], str | None] | None = None) -> 
             continue
         try:
             row = json.loads(line)
-            problem = check(row)
+            problem = "not UTF-8" if UNDECODABLE.search(line) else check(row)  # read with surrogateescape
         except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
             row, problem = None, f"not JSON ({getattr(err, 'msg', type(err).__name__)})"
         if problem is None:
@@ -369,6 +372,8 @@ def _row_inside(line: str, check: Callable[[Any], str | None]) -> dict[str, Any]
     """A whole valid row that a damaged line ends with: a line cut mid-write and then joined with the
     next row (the next append started without a newline) still holds that next row."""
     for start in (m.start() for m in re.finditer(r"\{", line) if m.start() > 0):
+        if UNDECODABLE.search(line, start):
+            continue
         try:
             row = json.loads(line[start:])
         except json.JSONDecodeError:
@@ -696,12 +701,12 @@ class ResultStore:
             raise
 
     def _load(self) -> None:
-        text = self.jsonl.read_text(errors="replace")
+        text = self.jsonl.read_text(errors="surrogateescape")  # bytes not UTF-8 kept as they are
         contents = parse_jsonl(text)
         self.rows = contents.rows
         if contents.damaged:
             aside = self.jsonl.with_name(f"{self.jsonl.name}.damaged-{_stamp()}")
-            with open(aside, "a") as f:  # verbatim, before results.jsonl loses them
+            with open(aside, "a", errors="surrogateescape") as f:  # verbatim, before results.jsonl loses them
                 f.writelines(d.text + "\n" for d in contents.damaged)
                 f.flush()
                 os.fsync(f.fileno())

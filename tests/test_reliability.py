@@ -224,6 +224,19 @@ def test_damaged_lines_are_moved_aside_said_and_their_points_measured_again(tmp_
     assert status["points_done"] == 4 and status["state"] == "completed"
 
 
+def test_a_line_that_is_not_utf8_is_moved_aside_byte_for_byte(tmp_path):
+    out = tmp_path / "D"
+    assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
+    good = (out / "results.jsonl").read_bytes()
+    bad = b'{"variant": "full\xff\xfe", "seq_len": 40}\n'
+    (out / "results.jsonl").write_bytes(good + bad)
+    said = []
+    ResultStore(out, warn=said.append).close()
+    assert "line(s) 2 (not UTF-8)" in said[0], said
+    (aside,) = out.glob("results.jsonl.damaged-*")
+    assert aside.read_bytes() == bad and (out / "results.jsonl").read_bytes() == good
+
+
 def test_a_cut_last_line_is_moved_aside_not_appended_to(tmp_path):
     out = tmp_path / "D"
     assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
