@@ -48,9 +48,11 @@ def record_refused(sweep_dir: str | Path, num: int, overrides: str, message: str
 
 class Hooks(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from harness.distributed import from_environment
         from harness.results import DirectoryLock
 
-        if config.get("output_dir") is None:  # else the results go elsewhere: no clash in hydra.run.dir
+        launched = from_environment()  # torchrun/srun ranks share one directory: only rank 0 writes results
+        if config.get("output_dir") is None and (launched is None or launched.rank == 0):
             busy = DirectoryLock.in_use(Path(str(config.hydra.run.dir)))
             if busy is not None:
                 print(f"error: {busy}", file=sys.stderr)
