@@ -822,6 +822,11 @@ def job_state(job_dir: Path) -> dict[str, Any]:
 TIME_METRICS = ("fwd_ms", "bwd_ms", "fwd_bwd_ms")
 
 
+def from_timings(metric: str) -> bool:
+    """A time, or a throughput computed from one (tflops_*): not to be trusted where timings are noisy."""
+    return metric in TIME_METRICS or metric.startswith("tflops_")
+
+
 def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Least-squares slope of log y against log x: y ∝ x^slope."""
     return float(np.polyfit(np.log(np.asarray(xs, dtype=float)), np.log(np.asarray(ys, dtype=float)), 1)[0])

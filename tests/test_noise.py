@@ -186,6 +186,17 @@ def test_a_regression_needs_the_threshold_and_separate_iqr_intervals():
     assert judge("peak_mem_bytes", a, {**a, "peak_mem_bytes": 2 * a["peak_mem_bytes"]}, 0.1)[1] == "REGRESSION"
 
 
+def test_every_throughput_is_higher_is_better_and_not_judged_from_noisy_timings():
+    a = point(1024, fwd_bwd_ms=10.0, tflops_fwd=1.0, tflops_fwd_bwd=1.0, tflops_fwd_useful=1.0, out_rel_err=0.0)
+    faster = {**a, "fwd_bwd_ms": 5.0, "tflops_fwd": 2.0, "tflops_fwd_bwd": 2.0, "tflops_fwd_useful": 2.0}
+    for metric in ("tflops_fwd", "tflops_fwd_bwd", "tflops_fwd_useful"):
+        assert judge(metric, a, faster, 0.1)[1] == "better", metric
+        assert judge(metric, faster, a, 0.1)[1] == "REGRESSION", metric
+        assert judge(metric, a, {**faster, "noisy": True}, 0.1)[1] == "noisy", metric
+    # From exactly zero there is no ratio, but an error that appears is still a regression
+    assert judge("out_rel_err", a, {**a, "out_rel_err": 0.5}, 0.1) == (None, "REGRESSION (from 0)")
+
+
 def test_two_runs_of_the_same_code_compare_without_regression(tmp_path):
     """End to end on real runs, on what repeats exactly: peak memory (the allocation replay). Times of
     two runs seconds apart on a shared machine can differ by more than any threshold with separate IQRs

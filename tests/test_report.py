@@ -159,6 +159,13 @@ def test_crossover_and_max_fitting_on_constructed_case():
     assert report.crossover(rows_of({1024: 1.0, 2048: None}, {2048: "oom"}), ref, "fwd_ms") == (None, False)
     # A skipped point says nothing about speed.
     assert report.crossover(rows_of({1024: 1.0, 2048: None}, {2048: "skipped"}), ref, "fwd_ms") == (1024, True)
+    # One full backend ran at 4096 (noisy: its time unknown), another ran out of memory: full did not fail
+    # there, so a variant twice as slow everywhere does not become "faster" at 4096
+    noisy_sdpa = [*sdpa[:4], {**row("x", "b", 4096, fwd=100.0), "noisy": True}]
+    ref = report.reference([math_, noisy_sdpa], "fwd_ms")
+    assert 4096 not in ref
+    slow = rows_of({n: 2 * (ref.get(n) or 100.0) for n in (256, 512, 1024, 2048, 4096)})
+    assert report.crossover(slow, ref, "fwd_ms") == (None, False)
 
     fit = rows_of({256: 1.0, 512: 1.0, 1024: 1.0, 2048: None, 4096: None}, {2048: "oom", 4096: "skipped"})
     assert report.max_fitting(fit) == (1024, 2048, "oom")

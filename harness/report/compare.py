@@ -19,10 +19,14 @@ import argparse
 import sys
 from typing import Any
 
-from ..results import TIME_METRICS
+from ..results import from_timings
 from .collect import InputError, compare_key, environment_fields, load_rows, number, series_key, series_labels
 
-HIGHER_IS_BETTER = {"tflops_fwd", "out_cos", "mass_kept", "task_accuracy"}
+
+def higher_is_better(metric: str) -> bool:
+    """Throughput (every tflops_* field), cosine, mass kept, accuracy; lower is better for the rest."""
+    return metric.startswith("tflops_") or metric in ("out_cos", "mass_kept", "task_accuracy")
+
 
 
 def _fmt(metric: str, v: float | None) -> str:
@@ -50,12 +54,14 @@ def judge(metric: str, ra: dict, rb: dict, threshold: float) -> tuple[float | No
     ratio = vb / va if va and vb is not None else None
     if ra.get("status") == "ok" and rb.get("status") != "ok":
         return ratio, f"REGRESSION (ok -> {rb.get('status')})"
+    if va == 0 and vb:  # from exactly zero (an exact variant's error, say): no ratio, but a change
+        return None, "REGRESSION (from 0)" if (vb < 0) == higher_is_better(metric) else "better (from 0)"
     if ratio is None:
         return ratio, "" if ra.get("status") == rb.get("status") else f"{ra.get('status')} -> {rb.get('status')}"
-    if metric in TIME_METRICS and (ra.get("noisy") or rb.get("noisy")):
+    if from_timings(metric) and (ra.get("noisy") or rb.get("noisy")):
         return ratio, "noisy"
-    worse = ratio < 1 - threshold if metric in HIGHER_IS_BETTER else ratio > 1 + threshold
-    better = ratio > 1 + threshold if metric in HIGHER_IS_BETTER else ratio < 1 - threshold
+    worse = ratio < 1 - threshold if higher_is_better(metric) else ratio > 1 + threshold
+    better = ratio > 1 + threshold if higher_is_better(metric) else ratio < 1 - threshold
     if not (worse or better):
         return ratio, ""
     ia, ib = _interval(ra, metric), _interval(rb, metric)

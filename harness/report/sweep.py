@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..results import TIME_METRICS, atomic_write, loglog_slope, write_csv
+from ..results import atomic_write, from_timings, loglog_slope, write_csv
 from .collect import (FULL, STATUSES, InputError, Series, columns, environment_fields, group_series, load_rows,
                       ok_value, series_labels)
 
@@ -61,8 +61,9 @@ def fit_exponent(ns: list[float], ys: list[float]) -> float | None:
 
 
 def trusted(row: dict[str, Any], metric: str) -> float | None:
-    """The row's ok value of ``metric``, or None where it is missing or a noisy point's timing."""
-    if metric in TIME_METRICS and row.get("noisy"):
+    """The row's ok value of ``metric``, or None where it is missing or a noisy point's timing (or the
+    throughput computed from one)."""
+    if from_timings(metric) and row.get("noisy"):
         return None
     return ok_value(row, metric)
 
@@ -78,15 +79,20 @@ def reference(full_series: list[Rows], metric: str) -> dict[int, float | None]:
     failed at N (no backend ok: oom/skipped/error/nonfinite). An N where full ran but this metric was
     not measured (a pass left out) or is noisy is absent: nothing is known there."""
     ref: dict[int, float | None] = {}
+    ran: set[int] = set()  # N where some full backend was ok, trusted here or not
     for rows in full_series:
         for r in rows:
             v, n = trusted(r, metric), r["seq_len"]
+            if r.get("status") == "ok":
+                ran.add(n)
             if v is not None:
                 if ref.get(n) is None or v < ref[n]:
                     ref[n] = v
             elif r.get("status") != "ok":
                 ref.setdefault(n, None)
-    return ref
+    # full failed at N only where no backend ran: one ran, its time unknown (noisy, a pass left out), and
+    # another's oom says nothing there
+    return {n: v for n, v in ref.items() if v is not None or n not in ran}
 
 
 def crossover(rows: Rows, ref: dict[int, float | None], metric: str) -> tuple[int | None, bool]:
@@ -195,7 +201,7 @@ def _line(ax, pts: list[tuple[int, float, bool]], color, label: str, errs: list[
 def scaling_plot(groups: dict[Series, Rows], labels: dict[Series, str], colours: dict[Series, Any], metric: str,
                  title: str, unit: str, scale: float, path: Path) -> Path:
     ns = sorted({r["seq_len"] for rows in groups.values() for r in rows})
-    timing = metric in TIME_METRICS
+    timing = from_timings(metric)
     fig, ax = _axes(f"{title} vs N (log-log; x at top: not ok at that N"
                     + ("; hollow: noisy; bars: median ± IQR/2)" if timing else ")"), unit, ns)
     any_ok = False
