@@ -445,6 +445,7 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     notices: list[str] = []
     files_of: dict[tuple, list[Path]] = {}  # point -> the files holding a row of it
+    machines_of: dict[tuple, set[tuple]] = {}  # point -> the machines its timed rows were measured on
     for file in result_files(path):
         try:
             if file.suffix == ".jsonl":
@@ -457,9 +458,12 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
         except (OSError, UnicodeDecodeError, csv.Error) as err:
             raise InputError(f"{file}: cannot read ({type(err).__name__}: {err})") from None
         for row in found:
-            files_of.setdefault(point_key(row), [])
-            if file not in files_of[point_key(row)]:
-                files_of[point_key(row)].append(file)
+            key = point_key(row)
+            files_of.setdefault(key, [])
+            if file not in files_of[key]:
+                files_of[key].append(file)
+            if any(row.get(m) is not None for m in (*TIME_METRICS, "peak_mem_bytes")):
+                machines_of.setdefault(key, set()).add(machine(row))
         rows += found
     if not rows:
         raise InputError(f"{path}: no result rows found" + (f" ({notices[0]})" if notices else ""))
@@ -468,6 +472,12 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
     points = latest(rows)
     # A point in two files is two runs of it (jobs that differ only in a setting outside the identity,
     # e.g. measure.timer; or two machines): not a re-measurement, and not to be hidden as one.
+    mixed = sorted({m for ms in machines_of.values() if len(ms) > 1 for m in ms}, key=str)
+    if mixed:  # the point's time and memory belong to the machine of its last row only
+        names = ", ".join(f"{name}{f' ({threads} threads)' if threads else ''}" for name, threads in mixed)
+        warn(f"{path}: {sum(len(ms) > 1 for ms in machines_of.values())} point(s) were timed on more than one "
+             f"machine ({names}); each is drawn from its last row, so a series can mix machines. Give the "
+             f"report one machine's results")
     shared = [files for files in files_of.values() if len(files) > 1]
     if shared:
         warn(f"{path}: {len(shared)} point(s) are in more than one results file (e.g. "

@@ -135,9 +135,11 @@ def test_a_point_in_two_files_is_said_apart_from_one_measured_again(tmp_path):
     said = []
     (point,) = load_rows(tmp_path, warn=said.append)
     assert point["fwd_ms"] == 3.0  # the file read last
-    assert len(said) == 2 and "1 point(s) are in more than one results file" in said[0], said
-    assert f"{tmp_path / '0'} and {tmp_path / '1'}" in said[0]
-    assert "1 row(s) are earlier measurements of a point measured again" in said[1]
+    assert len(said) == 3, said
+    assert "1 point(s) were timed on more than one machine (Other CPU, Synthetic CPU)" in said[0]
+    assert "1 point(s) are in more than one results file" in said[1]
+    assert f"{tmp_path / '0'} and {tmp_path / '1'}" in said[1]
+    assert "1 row(s) are earlier measurements of a point measured again" in said[2]
 
 
 def test_crossover_and_max_fitting_on_constructed_case():
@@ -222,6 +224,9 @@ def test_seeds_table_pools_seeds_of_otherwise_equal_series(tmp_path):
                     ["linear/sdpa", 256, 1, "0.400", "0.400–0.400", "0.400"],
                     ["linear/sdpa", 512, 2, "0.250", "0.200–0.300", "0.200, 0.300"]]
     assert report.seeds_table(collect.group_series(rows[3:4])) == (head, [])
+    # The harness's seed alone (fidelity's inputs) does not make another training run: one seed, no table
+    copies = [acc(seed, 1, 0.057) for seed in (0, 1, 2)]
+    assert report.seeds_table(collect.group_series(copies)) == (head, [])
     write_sweep(tmp_path / "sweep", [rows])
     done = cli("harness.report", tmp_path / "sweep", "--out", tmp_path / "out")
     assert done.returncode == 0 and "MQAR task accuracy over seeds" in done.stdout

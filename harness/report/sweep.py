@@ -341,18 +341,22 @@ def fitting_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tupl
 
 def seeds_table(groups: dict[Series, Rows]) -> tuple[list[str], list[list[Any]]]:
     """Task accuracy over the seeds of otherwise equal series (``seed`` and ``task.seed`` pooled): per N,
-    every seed's value, their mean and range. Only where some point has two seeds or more: one seed says
-    nothing of the spread."""
-    pooled: dict[Series, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    every seed's value, their mean and range. A training run counts once: the task reads ``task.seed``
+    only, so series that differ in the harness's ``seed`` alone hold copies of one run (the harness's
+    seed stands in for rows that recorded no task settings). Only where some point has two seeds or
+    more: one seed says nothing of the spread."""
+    pooled: dict[Series, dict[int, dict[Any, float]]] = defaultdict(lambda: defaultdict(dict))
     for s, rows in groups.items():
+        task_seed = dict(s.task_opts).get("seed", ("seed", s.seed))  # which training run
         unseeded = s._replace(seed=None, task_opts=tuple(kv for kv in s.task_opts if kv[0] != "seed"))
         for r in rows:
             if (acc := ok_value(r, "task_accuracy")) is not None:
-                pooled[unseeded][r["seq_len"]].append(acc)
+                pooled[unseeded][r["seq_len"]][task_seed] = acc
     labels = series_labels(pooled)
     body = [[labels[s], n, len(accs), f"{sum(accs) / len(accs):.3f}", f"{min(accs):.3f}–{max(accs):.3f}",
              ", ".join(f"{a:.3f}" for a in sorted(accs))]
-            for s in sorted(pooled, key=labels.get) for n, accs in sorted(pooled[s].items())]
+            for s in sorted(pooled, key=labels.get) for n, by_seed in sorted(pooled[s].items())
+            for accs in [list(by_seed.values())]]
     if not any(row[2] >= 2 for row in body):
         body = []
     return ["series", "N", "seeds", "mean", "range", "accuracies"], body
