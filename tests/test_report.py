@@ -159,8 +159,12 @@ def test_crossover_and_max_fitting_on_constructed_case():
     # Slower at the largest common N, or out of memory there: no crossover in range.
     assert report.crossover(rows_of({256: 0.1, 2048: 60.0}), ref, "fwd_ms") == (None, False)
     assert report.crossover(rows_of({1024: 1.0, 2048: None}, {2048: "oom"}), ref, "fwd_ms") == (None, False)
-    # A skipped point says nothing about speed.
+    # A skipped point says nothing about speed; nor does running out of memory where full failed too.
     assert report.crossover(rows_of({1024: 1.0, 2048: None}, {2048: "skipped"}), ref, "fwd_ms") == (1024, True)
+    assert report.crossover(rows_of({1024: 1.0, 4096: None}, {4096: "oom"}), ref, "fwd_ms") == (1024, True)
+    # No N timed by both is not "slower": nothing is compared.
+    assert report.crossover(rows_of({8192: 1.0}), ref, "fwd_ms") is None
+    assert report.crossover(rows_of({4096: None}, {4096: "oom"}), ref, "fwd_ms") is None
     # One full backend ran at 4096 (noisy: its time unknown), another ran out of memory: full did not fail
     # there, so a variant twice as slow everywhere does not become "faster" at 4096
     noisy_sdpa = [*sdpa[:4], {**row("x", "b", 4096, fwd=100.0), "noisy": True}]

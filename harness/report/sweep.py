@@ -95,21 +95,31 @@ def reference(full_series: list[Rows], metric: str) -> dict[int, float | None]:
     return {n: v for n, v in ref.items() if v is not None or n not in ran}
 
 
-def crossover(rows: Rows, ref: dict[int, float | None], metric: str) -> tuple[int | None, bool]:
+def crossover(rows: Rows, ref: dict[int, float | None], metric: str) -> tuple[int | None, bool] | None:
     """First N from which the series stays faster than full, over the N both measured.
 
     Faster at N: the series is ok and full is slower or failed there. A series point that ran out of
-    memory counts as not faster; one skipped, in error or noisy is left out (it says nothing about speed).
-    Returns (N, faster at every compared N), or (None, False) when not faster at the largest compared N.
+    memory where full ran counts as not faster; one out of memory where full failed too, skipped, in error
+    or noisy is left out (it says nothing about speed). Returns (N, faster at every compared N), (None,
+    False) when not faster at the largest compared N, or None when no N can be compared.
     """
+    def compared(r: dict[str, Any]) -> bool:
+        n = r["seq_len"]
+        if n not in ref:
+            return False
+        if r.get("status") == "oom":
+            return ref[n] is not None
+        return trusted(r, metric) is not None
+
     faster = [(r["seq_len"], trusted(r, metric) is not None
                and (ref[r["seq_len"]] is None or trusted(r, metric) < ref[r["seq_len"]]))
-              for r in rows if r["seq_len"] in ref
-              and (r.get("status") == "oom" or trusted(r, metric) is not None)]
+              for r in rows if compared(r)]
+    if not faster:
+        return None
     first = None
     for n, f in faster:
         first = (first if first is not None else n) if f else None
-    return first, bool(faster) and first == faster[0][0]
+    return first, first == faster[0][0]
 
 
 def max_fitting(rows: Rows) -> tuple[int | None, int | None, str | None]:
@@ -326,8 +336,10 @@ def crossover_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tu
             continue
         cells = []
         for metric, _ in SPEEDUP_METRICS:
-            n, always = crossover(rows, reference([groups[f] for f in refs[_ref_key(s)]], metric), metric)
-            cells.append("none in range" if n is None else f"{n} (faster at every N)" if always else n)
+            found = crossover(rows, reference([groups[f] for f in refs[_ref_key(s)]], metric), metric)
+            n, always = found or (None, False)
+            cells.append("no N timed by both" if found is None else "none in range" if n is None
+                         else f"{n} (faster at every N)" if always else n)
         body.append([labels[s], *cells])
     return head, body
 
