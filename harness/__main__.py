@@ -16,6 +16,10 @@ import hydra
 from omegaconf import DictConfig
 
 
+# The output directories of the runs this command started: an interrupt outside a run says what they kept.
+RUNS_STARTED: list[str] = []
+
+
 def fail(message: str, code: int = 2) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
@@ -34,6 +38,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    RUNS_STARTED.append(hc.runtime.output_dir)
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         # A SLURM job (hydra/launcher=slurm): scancel and the time limit's SIGTERM end the run as on the
         # command line (status interrupted, resumable), not ignored until the SIGKILL as submitit would.
@@ -95,12 +100,20 @@ def main() -> None:
 
         if NOT_COMPLETE:  # a multirun whose every job ran, but not every one completed
             fail(NOT_COMPLETE[0], 1)
-    except KeyboardInterrupt as e:  # before or between runs (startup, composing): nothing was measured
+    except KeyboardInterrupt as e:  # before, between or after runs (startup, composing, a sweep's end)
         from harness.run import Terminated
 
-        print(f"error: interrupted ({'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}) before a run "
-              f"started; nothing was measured", file=sys.stderr)
+        print(f"error: {interrupted_outside_a_run(isinstance(e, Terminated), RUNS_STARTED)}", file=sys.stderr)
         sys.exit(143 if isinstance(e, Terminated) else 130)
+
+
+def interrupted_outside_a_run(terminated: bool, started: list[str]) -> str:
+    """The line for an interrupt that came while no run was measuring (a run's own says its points)."""
+    name = "SIGTERM" if terminated else "Ctrl-C"
+    if not started:
+        return f"interrupted ({name}) before a run started; nothing was measured"
+    return (f"interrupted ({name}) outside a run, after {len(started)} run(s) started (the last in "
+            f"{started[-1]}); their results are kept and their status.json says how each ended")
 
 
 if __name__ == "__main__":

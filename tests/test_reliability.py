@@ -288,6 +288,16 @@ def test_an_interrupt_lost_in_a_finalizer_still_ends_the_run(tmp_path):
     assert lines_of(tmp_path / "results.jsonl") == []
 
 
+def test_an_interrupt_between_runs_does_not_say_nothing_was_measured():
+    """A sweep's Ctrl-C between two jobs (no run measuring) keeps what the finished jobs measured."""
+    from harness.__main__ import interrupted_outside_a_run
+
+    assert interrupted_outside_a_run(False, []) == "interrupted (Ctrl-C) before a run started; nothing was measured"
+    line = interrupted_outside_a_run(True, ["sweep/0", "sweep/1"])
+    assert line.startswith("interrupted (SIGTERM) outside a run, after 2 run(s) started (the last in sweep/1)")
+    assert "nothing was measured" not in line
+
+
 def test_an_impossible_output_directory_is_one_line_exit_2(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
