@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from variants import VariantError
 from variants.seqpar import SequenceParallel, shard
 
 from .config import ConfigError, Settings, one_line
@@ -193,7 +192,7 @@ class Team:
 
     def measure_rank(self, seq_len: int, on_phase=lambda phase: None) -> dict[str, Any]:
         """This rank's measurement of one point on a fresh group; a failure is recorded, not raised."""
-        from .run import OutOfMemoryError
+        from .run import failure
 
         s, attn, P = self.settings, self.attn, self.rv.world_size
         rec: dict[str, Any] = {"status": "ok"}
@@ -217,11 +216,8 @@ class Team:
                           shard=lambda t: shard(t, self.rank, P, attn.layout_name).contiguous(),
                           timer_fn=lambda fn, device, opts: time_in_step(fn, device, opts, group))
             dist.destroy_process_group(group)  # a failed point's group is abandoned instead
-        except OutOfMemoryError as e:
-            rec.update(status="oom", reason=one_line(e)[:500])
         except Exception as e:
-            message = str(e) if isinstance(e, VariantError) else f"{type(e).__name__}: {e}"
-            rec.update(status="error", reason=one_line(message)[:500])
+            rec.update(failure(e))
         finally:
             attn.group = None
         now = os.times()

@@ -60,3 +60,46 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str) -> PeakMem
     if device.type == "cuda":
         return cuda_peak(fn, device)
     return PeakMemory(cpu_peak_bytes(fn), None, None)
+
+
+# ----- after a failure -----------------------------------------------------------------------------
+
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """An OutOfMemoryError, or one wrapped by another (Inductor raises its autotuning's OOM as a compile
+    error): the point ran out of memory, whatever carried the news."""
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, OutOfMemoryError):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def release_memory(device: torch.device) -> None:
+    """Collect what a point left (a failed point's tensors, held by the exception's frames until now) and
+    return the device's cached blocks. Never raises: after a sticky CUDA error every CUDA call fails, and
+    ``device_lost`` says so."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        try:
+            torch.cuda.empty_cache()
+        except Exception:
+            pass
+
+
+def device_lost(device: torch.device) -> bool:
+    """Whether this process can no longer use ``device``: after a sticky CUDA error (an illegal memory
+    access, a device-side assert) the context is corrupt and every later kernel fails, so every later
+    point would be recorded as an error that is not its own. Probed by running a kernel."""
+    if device.type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+        return (torch.ones(1, device=device) + 1).item() != 2.0
+    except Exception:
+        return True

@@ -9,7 +9,6 @@ values. After that, a failure at one point is a result (``oom``, ``skipped``, ``
 from __future__ import annotations
 
 import dataclasses
-import gc
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -25,11 +24,10 @@ from .config import DEFAULT_BUDGET_SHARE, ConfigError, Settings, one_line, setti
 from .console import Display
 from .logger import sweep_group_name, wandb_run
 from .measure import measure_point, noise_reasons, timer_name
+from .memory import device_lost, is_out_of_memory, release_memory
 from .quality import quality, task_config, task_options
 from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, TASK_OPT_PREFIX, JobStatus, LockedError, Result,
                       ResultStore, Sink, Sweep, fit_exponents, machine, point_key, series_key, tflops, write_json)
-
-OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -150,7 +148,20 @@ class DirectoryInUse(ConfigError):
 
 
 class RunFailed(Exception):
-    """The run could not go on (its output directory stopped taking writes): one line; status failed."""
+    """The run could not go on (its output directory stopped taking writes, or the process lost its CUDA
+    context): one line; status failed."""
+
+
+# The points at which this process lost its device (harness.memory.device_lost): the point is recorded as
+# an error, its run stops, and every later run in this process (a sweep's next jobs) fails at once, measuring
+# nothing, instead of recording errors that are not their own; a new process (rerun) goes on.
+LOST: list[str] = []
+
+
+def device_gone_message(done: int, wanted: int) -> str:
+    return (f"the CUDA context was lost at {LOST[0]} (a sticky CUDA error: an illegal memory access or a "
+            f"device-side assert), after {done} of {wanted} points; that point is recorded as an error, and "
+            f"rerunning the same command goes on in a new process")
 
 
 def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None) -> Sweep:
@@ -213,6 +224,8 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
     task_cache: dict[int, dict[str, Any]] = {}  # task.seq_len fixed: trained once, reused at every point
     try:
         status.save()  # "running", the kept points counted
+        if LOST:
+            raise RunFailed(device_gone_message(len(done), len(wanted)))
         write_json(out_dir / "env.json", {**environment.as_dict(), "date": envmod.now(), "config": config})
         with wandb_run(settings.logger, out_dir, {**config, "variant_name": attn.name, "variant_label": label,
                                                   "env": environment.as_dict()},
@@ -242,6 +255,8 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
                     sink.add(row)
                 series_rows[key] = row.record()
                 done.append(row)
+                if LOST:
+                    raise RunFailed(device_gone_message(len(done), len(wanted)))
             raise_pending_interrupt()
             sweep = Sweep(done, fit_exponents(done), out_dir)
             for sink in sinks:
@@ -261,6 +276,9 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
         except OSError:
             pass
         raise RunFailed(message) from None
+    except RunFailed as e:
+        status.finish("failed", one_line(e)[:500])
+        raise
     except BaseException as e:
         status.finish("failed", one_line(f"{type(e).__name__}: {e}")[:500])
         raise
@@ -362,7 +380,6 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
     rec: dict[str, Any] = dict.fromkeys(FIELDS)
     rec.update({k: v for k, v in identity.items() if k in FIELDS}, status="ok", timer=timer_name(device, s.measure),
                **{k: v for k, v in environment.as_dict().items() if k in FIELDS})
-    oom = False
     try:
         flops = attn.flops(B, H, N, D, s.causal)
         rec.update(flops_fwd=flops.executed, flops_fwd_useful=flops.useful, density=attn.density(N, s.causal),
@@ -381,16 +398,10 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
             # What ran: the kernel the backend chose (full's auto), and the FLOPs it executed counted on the
             # device, where some backends know them only (flex: its BlockMask's tiles, built by the warm-up).
             rec.update(backend_ran=attn.backend_ran, flops_fwd=attn.flops(B, H, N, D, s.causal, device).executed)
-    except OutOfMemoryError as e:
-        oom = True
-        rec.update(status="oom", reason=one_line(e)[:500])
     except Exception as e:  # recorded; the next point still runs
-        message = str(e) if isinstance(e, VariantError) else f"{type(e).__name__}: {e}"
-        rec.update(status="error", reason=one_line(message)[:500])
-    if oom or device.type == "cuda":
-        gc.collect()  # the exception's frames held the point's tensors until here
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        rec.update(failure(e))
+    if rec["status"] in ("oom", "error") or device.type == "cuda":
+        release_memory(device)  # the exception's frames held the point's tensors until here
     f, fu = rec["flops_fwd"], rec["flops_fwd_useful"]
     if f is not None:
         k = BACKWARD_FLOPS_FACTOR
@@ -400,8 +411,20 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
                    tflops_fwd_bwd_useful=tflops(int((1 + k) * fu), rec["fwd_bwd_ms"]))
     if rec["status"] == "ok":
         quality(attn, s, seq_len, device, rec, on_phase, task_log, task_cache if task_cache is not None else {})
+    failed = "reason" if rec["status"] == "error" else "quality_reason" if rec.get("quality_reason") else None
+    if failed and device_lost(device):
+        LOST.append(f"N={seq_len}")
+        rec[failed] = one_line(f"{rec[failed]} (the CUDA context is lost: the run stops here)")[:500]
     rec["date"] = envmod.now()
     return Result.from_record({**identity, **rec})
+
+
+def failure(e: Exception) -> dict[str, str]:
+    """The status and reason a point records for the exception that ended it."""
+    if is_out_of_memory(e):
+        return {"status": "oom", "reason": one_line(e)[:500]}
+    message = str(e) if isinstance(e, VariantError) else f"{type(e).__name__}: {e}"
+    return {"status": "error", "reason": one_line(message)[:500]}
 
 
 def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device,

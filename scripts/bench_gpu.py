@@ -107,6 +107,7 @@ class Context:
         self.plan, self.out, self.device, self.log, self.labels = plan, out, device, log, labels
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
         self.state = load_state(out)
+        self.lost = False  # this process lost its CUDA context (part d): its in-process steps stop
 
     def left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
@@ -149,20 +150,26 @@ def sweep(ctx: Context, step: str, preset: str, overrides: list[str], sweep_dir:
         cmd.append(f"memory_budget_gb={1.25 * torch.cuda.get_device_properties(ctx.device).total_memory / 1e9:.1f}")
     ctx.log(f"[{step}] {' '.join(cmd[1:])}")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-    try:
-        rc = proc.wait(timeout=None if ctx.left() == float("inf") else max(1.0, ctx.left()))
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the running job records "interrupted"; a rerun resumes it
+    for attempt in (1, 2):
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
         try:
-            proc.wait(timeout=30)
+            rc = proc.wait(timeout=None if ctx.left() == float("inf") else max(1.0, ctx.left()))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        ctx.finish(step, "interrupted by the budget")
-        ctx.log(f"[{step}] interrupted by the budget: run again to continue")
-        return
-    ctx.finish(step, "complete" if rc == 0 else f"exit {rc}")
+            proc.send_signal(signal.SIGTERM)  # the running job records "interrupted"; a rerun resumes it
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            ctx.finish(step, "interrupted by the budget")
+            ctx.log(f"[{step}] interrupted by the budget: run again to continue")
+            return
+        ctx.finish(step, "complete" if rc == 0 else f"exit {rc}")
+        # A job that failed (one that lost the process's CUDA context stops its sweep's later jobs too):
+        # once more at once, in a new process that skips what is stored
+        if rc == 0 or attempt == 2 or ctx.left() < 60:
+            return
+        ctx.log(f"[{step}] exit {rc}: once more, resuming")
 
 
 def a_series(ctx: Context, max_tier: int = 3) -> list[tuple[int, str, str, dict[str, Any], list[str]]]:
@@ -308,8 +315,10 @@ def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torc
     bs = attn.engine_block_size(N)  # sparse: the variant's own block layout, as a mask_mod
 
     def layout_mod():
-        lay = attn.layout(N, False).to(device)
-        return lambda b, h, q, kv: lay[q // bs, kv // bs]
+        from variants.flex import _layout_lookup  # padded: the kernel's last tile may reach past N
+
+        allowed = _layout_lookup(attn.layout(N, False), bs, N, device)
+        return lambda b, h, q, kv: allowed(q, kv)
     return {f"FlexAttention mask_mod layout[q//{bs}, kv//{bs}]": flex(layout_mod)}
 
 
@@ -318,6 +327,7 @@ def timed(ctx: Context, build: Callable[[], Callable[[], None]]) -> dict[str, An
     harness's own timer (do_bench on GPU)."""
     from harness.config import MeasureOptions
     from harness.measure import synchronize, time_fn
+    from harness.memory import device_lost, release_memory
 
     row: dict[str, Any] = {"status": "ok", "reason": None}
     try:
@@ -333,8 +343,10 @@ def timed(ctx: Context, build: Callable[[], Callable[[], None]]) -> dict[str, An
         row.update(status="skipped" if NEEDS_CUDA in str(e) else "unavailable", reason=str(e))
     except Exception as e:  # an oom or a kernel that refuses the shape: recorded, the next one runs
         row.update(status="error", reason=one_line(f"{type(e).__name__}: {e}")[:300])
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(ctx.device)
+    if row["status"] == "error" and device_lost(ctx.device):  # every later kernel of this process would fail
+        row["reason"] += " (the CUDA context is lost: part d stops; a new invocation goes on)"
+        ctx.lost = True
     return row
 
 
@@ -372,6 +384,8 @@ def part_d(ctx: Context) -> None:
                 f.write(json.dumps(row) + "\n")
             ctx.log(f"[d] {label} N={N} {name}: {row['status']} {fmt(row.get('fwd_bwd_ms'))} ms"
                     + (f" ({row['reason']})" if row["reason"] else ""))
+            if ctx.lost:
+                return
     overhead(ctx)
     ctx.finish("d", "complete")
 
@@ -387,6 +401,7 @@ def overhead(ctx: Context) -> None:
     import variants
     from triton.testing import do_bench
 
+    from harness.memory import release_memory
     from harness.run import run
 
     (B, H, D), N, rep = ctx.plan.shape, ctx.plan.overhead_seq_len, 100
@@ -421,7 +436,7 @@ def overhead(ctx: Context) -> None:
                            "overhead": None if rec[f"{p}_ms"] is None else rec[f"{p}_ms"] / ref - 1}
         except Exception as e:
             case.update(status="error", reason=one_line(f"{type(e).__name__}: {e}")[:300])
-        torch.cuda.empty_cache()
+        release_memory(ctx.device)
         cases.append(case)
         ctx.log(f"[d] overhead {variant}/{backend}: {case}")
     write_json(path, {"status": "ok", "timer": f"do_bench(median, rep={rep} ms)", "cases": cases, "date": now()})

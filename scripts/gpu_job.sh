@@ -9,15 +9,16 @@
 # 2. Prints nvidia-smi and the versions of torch, CUDA, triton, xformers, hydra and wandb.
 # 3. Runs the GPU tests once (`pytest -m gpu`: every GPU backend against the float64 reference; -n 4 where
 #    pytest-xdist is installed) into <results>/junit-gpu.xml and tests-gpu.log.
-# 4. Runs scripts/bench_gpu.py --out <results> within what is left of JOB_BUDGET_S (default 520 s):
+# 4. Runs scripts/bench_gpu.py --out <results> within what is left of JOB_BUDGET_S (default 480 s):
 #    the sweeps stop at the budget and resume on the next call; measured points are never measured again.
-# 5. Copies a few files into OUT (default /tmp/gpu_job_out) to take home: results.tar.gz (the results
+# 5. On any exit (the end, a failure, a signal) copies a few files into OUT (default /tmp/gpu_job_out) to take home: results.tar.gz (the results
 #    directory, with repository-relative paths: `tar -xzf results.tar.gz` at the repository root),
 #    SUMMARY.md, junit-gpu.xml, tests-gpu.log, job.log.
 # Run the same command again (with the extracted results in place) until its last line says
 # "complete"; on an H100 the whole benchmark takes about half an hour.
 #
-# Environment: BENCH_DIR (default results/gpu/<UTC date>-<device>), JOB_BUDGET_S, OUT, PYTHON,
+# Environment: BENCH_DIR (default: the latest results/gpu/<UTC date>-<device> without a COMPLETE file,
+# else a new one for today), JOB_BUDGET_S, OUT, PYTHON,
 # RERUN_TESTS=1 (run the GPU tests again), SKIP_TESTS=1, SKIP_WHEELS=1, BENCH_ARGS (more bench_gpu.py
 # arguments), HARNESS_CODE_VERSION (the commit every row records as code_version, for a tree copied
 # without .git: `git rev-parse --short=12 HEAD` where it was copied from).
@@ -26,7 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-JOB_BUDGET_S=${JOB_BUDGET_S:-520}
+JOB_BUDGET_S=${JOB_BUDGET_S:-480}
 START=$(date +%s)
 left() { echo $((JOB_BUDGET_S - ($(date +%s) - START))); }
 OUTDIR=${OUT:-/tmp/gpu_job_out}
@@ -71,10 +72,44 @@ for mod in ("hydra", "wandb", "xformers.ops"):
         print(f"  import {mod}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
 PYEOF
 
+# 5. results to take home: on any exit (a failure, a kill at a time limit), so what was measured leaves
+take_home() {
+    trap - EXIT
+    PENDING=$(timeout 60 "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --pending ${BENCH_ARGS:-}) \
+        || PENDING="unknown (bench_gpu.py --pending failed: see above)"
+    COMPLETE=0
+    if [ -z "$PENDING" ] && { [ -f "$BENCH_DIR/tests-gpu.rc" ] || [ "${SKIP_TESTS:-0}" = 1 ]; }; then
+        COMPLETE=1
+        date -u +%FT%TZ > "$BENCH_DIR/COMPLETE"  # the next job starts a new directory
+    fi
+    case "$BENCH_DIR" in
+        /*) tar -czf "$OUTDIR/results.tar.gz" -C "$(dirname "$BENCH_DIR")" "$(basename "$BENCH_DIR")" ;;
+        *) tar -czf "$OUTDIR/results.tar.gz" "$BENCH_DIR" ;;
+    esac
+    for f in SUMMARY.md junit-gpu.xml tests-gpu.log; do
+        [ -f "$BENCH_DIR/$f" ] && cp "$BENCH_DIR/$f" "$OUTDIR/"
+    done
+    ls -l "$OUTDIR"
+    if [ "$COMPLETE" = 1 ]; then
+        echo "gpu_job: complete; commit $BENCH_DIR"
+    else
+        echo "gpu_job: incomplete (steps pending: ${PENDING:-none}); run the same command again"
+    fi
+}
+
 DEVICE=$("$PY" -c "import re, torch; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-') if torch.cuda.is_available() else 'cpu')")
-BENCH_DIR=${BENCH_DIR:-results/gpu/$(date -u +%F)-$DEVICE}
+[ -n "$DEVICE" ] || DEVICE=unknown-device  # python or torch does not run: said above
+if [ -z "${BENCH_DIR:-}" ]; then
+    # This device's latest results directory unless it is complete: a benchmark that takes several calls
+    # (several sessions, several days) goes on where it stopped
+    BENCH_DIR=results/gpu/$(date -u +%F)-$DEVICE
+    latest=$(ls -d results/gpu/*-"$DEVICE" 2>/dev/null | sort | tail -n 1)
+    [ -n "$latest" ] && [ ! -f "$latest/COMPLETE" ] && BENCH_DIR=$latest
+fi
 mkdir -p "$BENCH_DIR"
 echo "== results directory: $BENCH_DIR"
+trap take_home EXIT
+trap 'echo "gpu_job: stopped by a signal"; exit 143' TERM INT
 
 # 3. the GPU tests, once
 if [ "${SKIP_TESTS:-0}" != 1 ] && { [ ! -f "$BENCH_DIR/tests-gpu.rc" ] || [ "${RERUN_TESTS:-0}" = 1 ]; }; then
@@ -91,35 +126,22 @@ if [ "${SKIP_TESTS:-0}" != 1 ] && { [ ! -f "$BENCH_DIR/tests-gpu.rc" ] || [ "${R
         timeout -s INT -k 30 "$T" "$PY" -m pytest -q -m gpu "${XDIST[@]}" -rfEs -p no:cacheprovider \
             --junitxml="$BENCH_DIR/junit-gpu.xml" 2>&1 | tee "$BENCH_DIR/tests-gpu.log"
         rc=${PIPESTATUS[0]}
-        echo "$rc" > "$BENCH_DIR/tests-gpu.rc"
+        # Ran (passed, failed, or stopped at the limit with a report): not again. Anything else (a collection
+        # or internal error, nothing collected) is tried again on the next call.
+        case "$rc" in 0|1|124) echo "$rc" > "$BENCH_DIR/tests-gpu.rc" ;; esac
         echo "== GPU tests exit code $rc$([ "$rc" = 124 ] && echo ' (timed out: RERUN_TESTS=1 runs them again)')"
     fi
 fi
 
 # 4. the benchmark, resumable
 # Its budget leaves 60 s for a sweep to stop on SIGTERM (30 s) and the summary; the timeout's 60 s more
-# and a summary again keep the whole call within about JOB_BUDGET_S + 35 s.
+# and a summary again keep the whole call within about JOB_BUDGET_S + 35 s (at worst, every step at its
+# limit, + 100 s: keep JOB_BUDGET_S 100 s under a hard limit on the call).
 B=$(($(left) - 60))
 if [ "$B" -gt 30 ]; then
     echo "== python scripts/bench_gpu.py --out $BENCH_DIR --budget-s $B ${BENCH_ARGS:-}"
     timeout -k 10 $((B + 60)) "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --budget-s "$B" ${BENCH_ARGS:-} \
-        || "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --summary-only ${BENCH_ARGS:-}
+        || timeout -k 5 60 "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --summary-only ${BENCH_ARGS:-}
 else
     echo "== no time left for the benchmark in this call"
-fi
-
-# 5. results to take home
-PENDING=$("$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --pending ${BENCH_ARGS:-})
-case "$BENCH_DIR" in
-    /*) tar -czf "$OUTDIR/results.tar.gz" -C "$(dirname "$BENCH_DIR")" "$(basename "$BENCH_DIR")" ;;
-    *) tar -czf "$OUTDIR/results.tar.gz" "$BENCH_DIR" ;;
-esac
-for f in SUMMARY.md junit-gpu.xml tests-gpu.log; do
-    [ -f "$BENCH_DIR/$f" ] && cp "$BENCH_DIR/$f" "$OUTDIR/"
-done
-ls -l "$OUTDIR"
-if [ -z "$PENDING" ] && { [ -f "$BENCH_DIR/tests-gpu.rc" ] || [ "${SKIP_TESTS:-0}" = 1 ]; }; then
-    echo "gpu_job: complete; commit $BENCH_DIR"
-else
-    echo "gpu_job: incomplete (steps pending: ${PENDING:-none}); run the same command again"
 fi

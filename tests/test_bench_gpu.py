@@ -125,6 +125,21 @@ def test_a_rerun_measures_nothing_again_and_a_spent_budget_resumes(smoke, tmp_pa
     assert bad.returncode == 2 and "allowed: full" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_a_job_whose_python_cannot_run_the_benchmark_is_not_complete(tmp_path):
+    """A node without the harness's packages (wheels not brought): the job says incomplete, never
+    "complete", and still brings back its log and what is in the results directory."""
+    python = tmp_path / "python-without-site-packages"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    python.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "BENCH_DIR": str(tmp_path / "bench"), "SKIP_WHEELS": "1",
+           "SKIP_TESTS": "1", "PYTHON": str(python), "BENCH_ARGS": "--smoke"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_job.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    last = proc.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("gpu_job: incomplete (steps pending: unknown"), proc.stdout[-3000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["job.log", "results.tar.gz"]
+
+
 @pytest.mark.parametrize("script", ["gpu_job.sh", "fetch_wheels.sh"])
 def test_shell_scripts_parse_and_speak_of_the_project_only(script):
     path = ROOT / "scripts" / script

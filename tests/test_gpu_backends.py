@@ -198,6 +198,32 @@ def test_xformers_call_on_cpu_raises():
         xf.attention(q, q, q, None, 8 ** -0.5)
 
 
+def test_xformers_that_does_not_import_is_unavailable_with_its_reason(monkeypatch):
+    """An xformers whose import fails in any way (here: its extension raising as a wheel built for another
+    CUDA can) is one line with the reason, and stays unavailable: a second import is not attempted."""
+    import builtins
+    import sys
+
+    real_import, attempts = builtins.__import__, []
+
+    def failing(name, *args, **kw):
+        if name.startswith("xformers"):
+            attempts.append(name)
+            raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version\nsecond line")
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(xf, "_xops", None)
+    monkeypatch.setattr(xf, "_failure", None)
+    monkeypatch.delitem(sys.modules, "xformers.ops", raising=False)
+    monkeypatch.setattr(builtins, "__import__", failing)
+    assert not xf.xformers_available()
+    assert xf.unavailable_reason() == ("backend 'xformers' needs the xformers package, which does not import: "
+                                       "RuntimeError: CUDA driver version is insufficient for CUDA runtime version")
+    with pytest.raises(VariantError, match="does not import: RuntimeError"):
+        xf.causal_bias(True)
+    assert attempts == ["xformers.ops"]
+
+
 # ----- CPU: asking for a GPU-only backend --------------------------------------------------------------
 GPU_ONLY = [(name, o, b) for name, o in [("full", {}), ("blockwise", {"mode": "exact"}), ("blockwise", {"mode": "local"}),
                                           ("sliding_window", {"window": 4}), ("sparse", {}), ("adaptive_span", {})]
@@ -308,7 +334,7 @@ def _floor(ref, dtype):
 @pytest.mark.parametrize("name,options,backend,N", list(gpu_params()))
 def test_gpu_backend_matches_reference(name, options, backend, N, dtype, causal):
     if backend == "xformers" and not xf.xformers_available():
-        pytest.skip("xformers does not import on this machine")
+        pytest.skip(xf.unavailable_reason())  # reported unavailable, with the reason
     attn = variants.build(name, **options, backend=backend)
     B, H, D = 2, 4, 64
     q, k, v = qkv(B, H, N, D, dtype=dtype, seed=N, device="cuda")
@@ -369,3 +395,17 @@ def test_flex_prepare_then_no_recompile():
     assert counters["stats"]["unique_graphs"] == graphs, "prepare must have compiled what the call runs"
     stats = flex.block_mask_stats(attn, 1000, True, "cuda")
     assert 0 < stats["tile_density"] < 1
+
+
+@pytest.mark.gpu
+def test_device_lost_is_false_until_a_sticky_error_then_true():
+    """harness.memory.device_lost, which stops a run after a sticky CUDA error (an out-of-bounds index is
+    a device-side assert): probed in its own process, whose CUDA context the error ruins."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom harness.memory import device_lost\nd = torch.device('cuda')\nprint(device_lost(d))\n"
+            "try:\n    torch.zeros(4, device=d)[torch.tensor([10], device=d)].sum().item()\n"
+            "except Exception as e:\n    print(type(e).__name__)\nprint(device_lost(d))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.split()
+    assert out[0] == "False" and out[-1] == "True", out

@@ -292,6 +292,61 @@ def test_out_of_memory_is_recorded_as_oom(tmp_path, monkeypatch):
     assert "out of memory" in rows[0]["reason"] and rows[0]["warmup_s"] == 0.5
 
 
+def test_an_out_of_memory_error_wrapped_by_another_is_oom(tmp_path, monkeypatch):
+    """Inductor raises an OOM met while autotuning as its own compile error: still the point's oom."""
+    real = runmod.measure_point
+
+    def wrapped_oom_at_128(attn, **kw):
+        if kw["seq_len"] == 128:
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            except torch.OutOfMemoryError as e:
+                raise RuntimeError("backend='inductor' raised: OutOfMemoryError") from e
+        return real(attn, **kw)
+
+    monkeypatch.setattr(runmod, "measure_point", wrapped_oom_at_128)
+    run(compose_cfg("variant=full", "seq_lens=[64,128,256]", "num_heads=2", "head_dim=16", "logger=none",
+                    "measure.min_run_time=0.01"), output_dir=tmp_path)
+    assert [(r["seq_len"], r["status"]) for r in rows_of(tmp_path)] == [(64, "ok"), (128, "oom"), (256, "skipped")]
+
+
+def test_a_lost_device_stops_the_run_after_recording_its_point_and_later_runs_measure_nothing(tmp_path,
+                                                                                              monkeypatch):
+    """After a sticky CUDA error every later kernel in the process fails: the point that raised it is an
+    error, the run stops (status failed), and a sweep's next job in the same process measures nothing
+    rather than recording errors that are not its own. (The probe itself runs on a GPU in
+    test_gpu_backends.py; here it answers as it would after such an error.)"""
+    real, lost = runmod.measure_point, []
+
+    def illegal_access_at_128(attn, **kw):
+        if kw["seq_len"] == 128:
+            lost.append(True)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(attn, **kw)
+
+    monkeypatch.setattr(runmod, "measure_point", illegal_access_at_128)
+    monkeypatch.setattr(runmod, "device_lost", lambda device: bool(lost))
+    monkeypatch.setattr(runmod, "LOST", [])
+    common = ("variant=full", "num_heads=2", "head_dim=16", "measure.min_run_time=0.01", "logger=none")
+    with pytest.raises(runmod.RunFailed, match="the CUDA context was lost at N=128 .* after 2 of 3 points"):
+        run(compose_cfg(*common, "seq_lens=[64,128,256]"), output_dir=tmp_path / "a")
+    rows = rows_of(tmp_path / "a")
+    assert [(r["seq_len"], r["status"]) for r in rows] == [(64, "ok"), (128, "error")]
+    assert rows[1]["reason"].endswith("(the CUDA context is lost: the run stops here)")
+    status = json.loads((tmp_path / "a" / "status.json").read_text())
+    assert status["state"] == "failed" and "lost at N=128" in status["error"]
+    with pytest.raises(runmod.RunFailed, match="lost at N=128"):  # the next job of the sweep
+        run(compose_cfg(*common, "seq_lens=[64]", "variant.backend=math"), output_dir=tmp_path / "b")
+    assert rows_of(tmp_path / "b") == []
+    assert json.loads((tmp_path / "b" / "status.json").read_text())["state"] == "failed"
+    # A new process (here: the probe's answer and the record cleared) resumes after the recorded point.
+    monkeypatch.setattr(runmod, "LOST", [])
+    lost.clear()
+    monkeypatch.setattr(runmod, "measure_point", real)
+    run(compose_cfg(*common, "seq_lens=[64,128,256]"), output_dir=tmp_path / "a")
+    assert [(r["seq_len"], r["status"]) for r in rows_of(tmp_path / "a")] == [(64, "ok"), (128, "error"), (256, "ok")]
+
+
 def test_stop_on_oom_records_the_longer_lengths_skipped_without_running_them(tmp_path, monkeypatch):
     real, ran = runmod.measure_point, []
 

@@ -113,7 +113,7 @@ class Full(Attention):
     def _time_candidates(self, q: Tensor, causal: bool, grad: bool) -> dict[str, float | str]:
         """Median ms of each candidate (forward, plus backward when grad), with CUDA events, on fresh
         random inputs of the same shape and dtype; a candidate that cannot run maps to its error."""
-        from .xformers_backend import xformers_available
+        from .xformers_backend import unavailable_reason, xformers_available
 
         device = q.device
         x = [torch.randn(q.shape, device=device, dtype=q.dtype, requires_grad=grad) for _ in range(3)]
@@ -123,7 +123,7 @@ class Full(Attention):
             if backend == AUTO_FALLBACK and any(isinstance(t, float) for t in timings.values()):
                 break
             if backend == "xformers" and not xformers_available():
-                timings[backend] = "xformers does not import"
+                timings[backend] = unavailable_reason()
                 continue
 
             def step(backend=backend):

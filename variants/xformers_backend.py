@@ -30,30 +30,43 @@ from torch import Tensor
 from .base import VariantError
 
 _xops: Any = None
+_failure: str | None = None  # why xformers did not import, once tried: a second attempt may fail otherwise
 
 
 def xformers_ops():
-    """``xformers.ops``, imported on first use; a one-line VariantError when it is not installed."""
-    global _xops
+    """``xformers.ops``, imported on first use; a one-line VariantError, saying why, where it does not
+    import (not installed, or built for another torch or CUDA: any error of its import, not only
+    ImportError)."""
+    global _xops, _failure
     if _xops is None:
+        if _failure is not None:
+            raise VariantError(_failure)
         try:
             import warnings
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "xFormers can't load C++/CUDA extensions" on CPU torch
                 import xformers.ops as xops
-        except ImportError as err:
-            raise VariantError(f"backend 'xformers' needs the xformers package, which does not import: {err}") from err
+        except Exception as err:
+            first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+            _failure = f"backend 'xformers' needs the xformers package, which does not import: " \
+                       f"{type(err).__name__}: {first}"
+            raise VariantError(_failure) from err
         _xops = xops
     return _xops
 
 
-def xformers_available() -> bool:
+def unavailable_reason() -> str | None:
+    """None where xformers imports; else why not (one line)."""
     try:
         xformers_ops()
-    except VariantError:
-        return False
-    return True
+    except VariantError as err:
+        return str(err)
+    return None
+
+
+def xformers_available() -> bool:
+    return unavailable_reason() is None
 
 
 # ----- biases ----------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 from typing import Any
 
@@ -16,6 +15,7 @@ import variants
 from variants import VariantError
 
 from ..config import ConfigError, Settings, one_line
+from ..memory import release_memory
 
 
 def task_config(settings: Settings, seq_len: int):
@@ -76,9 +76,7 @@ def guarded(what: str, device: torch.device, fn) -> str | None:
         fn()
     except Exception as e:  # OutOfMemoryError included: recorded, the point and the sweep go on
         message = str(e) if isinstance(e, (VariantError, ConfigError)) else f"{type(e).__name__}: {e}"
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(device)
         return one_line(f"{what}: {message}")[:300]
     return None
 
