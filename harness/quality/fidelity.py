@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,6 +42,7 @@ INPUT_KINDS = ("gaussian", "local", "peaked")
 LOCAL_LENGTH = 32.0  # ℓ: length scale (positions) of the positional kernel of ``local``
 LOCAL_STRENGTH = 32.0  # positional logit at i = j for ``local``: e^32 outweighs 32K far keys
 PEAKED_SCALE = 4.0  # q multiplier of ``peaked``: logit std 4 instead of 1
+UPSTREAM_STREAM = 1  # the upstream gradient's stream, beside the inputs' (SeedSequence([seed, 1]))
 
 
 def make_inputs(kind: str, B: int, H: int, N: int, D: int, dtype: torch.dtype = torch.float32,
@@ -117,6 +119,15 @@ def mass_kept(attn: Attention, q: Tensor, k: Tensor, causal: bool, block_size: i
     return float(1.0 - lost / (B * H * N))
 
 
+def upstream_gradient(shape: torch.Size | tuple[int, ...], grad_seed: int) -> Tensor:
+    """The fixed random upstream gradient (float64, CPU) of ``fidelity``: from a stream of its own,
+    derived from ``grad_seed`` (numpy's SeedSequence), independent of the inputs drawn with that same
+    seed. (A generator seeded with ``grad_seed`` itself would repeat q's draws: upstream = q.)"""
+    seed = int(np.random.SeedSequence([grad_seed, UPSTREAM_STREAM]).generate_state(1, dtype=np.uint64)[0])
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64)
+
+
 def fidelity(attn: Attention, q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
              block_size: int = 256, *, grad_seed: int = 0) -> dict[str, float | None]:
     """Errors of ``attn`` against exact full attention (float64) on the same q, k, v (B, H, N, D).
@@ -138,8 +149,7 @@ def fidelity(attn: Attention, q: Tensor, k: Tensor, v: Tensor, causal: bool = Fa
         raise variants.VariantError(attn.causal_error())
     # Exact attention, or the variant's own exact counterpart (reformer: full attention on its keys).
     reference = attn.exact_counterpart(block_size)
-    gen = torch.Generator().manual_seed(grad_seed)
-    upstream = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(q.device)  # (B, H, N, D)
+    upstream = upstream_gradient(q.shape, grad_seed).to(q.device)  # (B, H, N, D)
 
     out, grads = _with_grads(attn, q, k, v, causal, upstream)
     ref_out, ref_grads = _with_grads(reference, q.double(), k.double(), v.double(), causal, upstream)
@@ -158,4 +168,4 @@ def fidelity(attn: Attention, q: Tensor, k: Tensor, v: Tensor, causal: bool = Fa
 
 
 __all__ = ["INPUT_KINDS", "LOCAL_LENGTH", "LOCAL_STRENGTH", "PEAKED_SCALE", "make_inputs", "mass_kept",
-           "fidelity"]
+           "upstream_gradient", "fidelity"]
