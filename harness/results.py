@@ -121,7 +121,8 @@ class Result:
     task_seq_len: int | None  # the length it was trained at
     task_accuracy: float | None  # final eval accuracy on query positions
     task_loss: float | None  # final eval cross-entropy on query positions
-    task_chance_accuracy: float | None  # 1 / num_kv_pairs: guessing a value of the sequence
+    task_no_recall_accuracy: float | None  # the eval set's best without recall (each query answered with its
+    # sequence's most frequent value); rows from before 2026-11-25 have task_chance_accuracy (1/P) instead
     task_train_s: float | None
     quality_reason: str | None  # why fidelity or task numbers are missing at an ok point (one line)
     # Environment

@@ -62,7 +62,8 @@ def test_results_carry_fidelity_and_task_numbers(offline_run):
         # window 8 of N >= 48 on iid inputs: far from exact, and only part of the softmax mass kept
         assert 0.05 < r["out_rel_err"] < 2 and 0 < r["out_cos"] < 1 and r["grad_rel_err"] > 0.05
         assert 0 < r["mass_kept"] < 0.9
-        assert 0 <= r["task_accuracy"] <= 1 and r["task_loss"] > 0 and r["task_chance_accuracy"] == 1 / 8
+        assert 0 <= r["task_accuracy"] <= 1 and r["task_loss"] > 0
+        assert 1 / 8 < r["task_no_recall_accuracy"] < 0.3  # values repeat: above 1/P
 
 
 def test_wandb_run_finished_with_the_resolved_config_and_environment(offline_run):

@@ -9,7 +9,7 @@ import torch
 
 import variants
 from harness.quality.model import TinyTransformer
-from harness.quality.mqar import IGNORE_INDEX, PAD, key_range, mqar_batch, validate, value_range
+from harness.quality.mqar import IGNORE_INDEX, PAD, key_range, mqar_batch, no_recall_accuracy, validate, value_range
 from harness.quality.task import GPU_PRESET, PRESETS, MQARConfig, train_mqar
 
 SIZES = dict(seq_len=48, vocab_size=40, num_kv_pairs=8, num_queries=6)
@@ -54,6 +54,25 @@ def test_batches_satisfy_the_mqar_invariants(overrides):
                 assert tgt[t] == pairs[seq[t]], "its target is the value paired with that key"
                 assert tgt[t] not in seq[t:], "the answer never appears at or after its query"
         assert not any(v_lo <= t < v_hi for t in seq[2 * P:]), "no value token after the pairs"
+
+
+def test_no_recall_accuracy_answers_each_query_with_its_sequences_most_frequent_value():
+    # P = 4 pairs: values (40, 40, 41, 42) -> one mode, 40; (50, 51, 51, 50) -> two modes, half credit each
+    x = torch.tensor([[1, 40, 2, 40, 3, 41, 4, 42, 1, 2, 3],
+                      [1, 50, 2, 51, 3, 51, 4, 50, 1, 2, 0]])
+    y = torch.full_like(x, IGNORE_INDEX)
+    y[0, 8:11] = torch.tensor([40, 40, 41])  # 2 of 3 answered right by "40"
+    y[1, 8:10] = torch.tensor([50, 51])  # each right with probability 1/2
+    assert no_recall_accuracy(x, y, 4) == pytest.approx((1 + 1 + 0 + 0.5 + 0.5) / 5)
+    # On generated data: above 1/P (values repeat), and exactly what counting by hand gives.
+    x, y = mqar_batch(64, 64, 64, 8, 8, torch.Generator().manual_seed(0))
+    by_hand = []
+    for b in range(64):
+        values = x[b, 1:16:2].tolist()
+        top = max(values.count(v) for v in values)
+        modes = {v for v in values if values.count(v) == top}
+        by_hand += [(t in modes) / len(modes) for t in y[b][y[b] != IGNORE_INDEX].tolist()]
+    assert no_recall_accuracy(x, y, 8) == pytest.approx(sum(by_hand) / len(by_hand)) and sum(by_hand) / len(by_hand) > 1 / 8
 
 
 def test_validation_names_the_numbers():

@@ -103,4 +103,4 @@ def train_task(attn: variants.Attention, s: Settings, cfg, device: torch.device,
         options["num_heads"] = cfg.n_heads  # linear share=none: one E_h, F_h per head of the task's model
     out = train_mqar(type(attn), options, cfg, log=task_log, device=device)  # the class: any _target_ trains
     return {"task_seq_len": cfg.seq_len, "task_accuracy": out["task_accuracy"], "task_loss": out["task_loss"],
-            "task_chance_accuracy": out["chance_accuracy"], "task_train_s": out["train_seconds"]}
+            "task_no_recall_accuracy": out["no_recall_accuracy"], "task_train_s": out["train_seconds"]}

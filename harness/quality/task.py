@@ -20,7 +20,7 @@ from torch import Tensor
 
 import variants
 from harness.quality.model import POSITIONS, TinyTransformer, query_loss
-from harness.quality.mqar import IGNORE_INDEX, mqar_batch, validate
+from harness.quality.mqar import IGNORE_INDEX, mqar_batch, no_recall_accuracy, validate
 
 Log = Callable[[int, dict[str, float]], None]
 
@@ -32,7 +32,8 @@ class MQARConfig:
     final eval accuracy, training seconds): full (sdpa or math) 1.000, 42–50 s, solved by step 200
     (seeds 1, 2: 1.000, 0.998); blockwise exact 1.000 (the same curve as full); sparse fixed b=16
     0.52; linear k=32 (bidirectional) 0.21; sliding_window w=32 0.085, w=8 0.032; blockwise local
-    b=32 0.044. Chance: 1/32 guessing any value, 1/8 guessing a value of the sequence.
+    b=32 0.044. Without recall: 1/32 guessing any value, 0.21 answering the sequence's most frequent
+    value (``no_recall_accuracy``: values repeat, so more than 1/8).
 
     ``short_conv`` follows Zoology, whose attention baselines are hybrids of a short convolution and
     attention: without it, full attention stayed at ~0.2 accuracy (the in-context-value plateau) for
@@ -94,11 +95,6 @@ class MQARConfig:
         if unknown:
             raise ValueError(f"mqar config: unknown option {', '.join(map(repr, unknown))}; allowed: {', '.join(fields)}")
         return cls(**values)
-
-    @property
-    def chance_accuracy(self) -> float:
-        """Accuracy of guessing a value present in the sequence: about 1/num_kv_pairs."""
-        return 1.0 / self.num_kv_pairs
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -188,7 +184,8 @@ def train_mqar(variant: str | type[variants.Attention], variant_options: Mapping
                device: torch.device | str = "cpu") -> dict[str, Any]:
     """Trains on MQAR with the variant (a name, or an Attention class); returns ``task_accuracy`` and ``task_loss`` (final eval),
     ``history`` (one dict per eval: step, train_loss averaged since the previous eval, eval_accuracy,
-    eval_loss), ``chance_accuracy``, ``num_params``, ``causal`` and ``train_seconds``.
+    eval_loss), ``no_recall_accuracy`` (the eval set's best without recall: mqar.no_recall_accuracy),
+    ``num_params``, ``causal`` and ``train_seconds``.
 
     ``log(step, {"train_loss", "eval_accuracy", "eval_loss"})`` is called at every eval. Each attention
     layer trains its own way through the variant's training hooks (variants/base.py): with adaptive_span
@@ -246,7 +243,7 @@ def train_mqar(variant: str | type[variants.Attention], variant_options: Mapping
         "task_accuracy": final["eval_accuracy"],
         "task_loss": final["eval_loss"],
         "history": history,
-        "chance_accuracy": cfg.chance_accuracy,
+        "no_recall_accuracy": no_recall_accuracy(eval_inputs, eval_targets, cfg.num_kv_pairs),
         "num_params": sum(p.numel() for p in model.parameters()),
         "causal": model.causal,
         "train_seconds": time.perf_counter() - start,
