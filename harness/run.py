@@ -431,7 +431,9 @@ def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device
                      rec: dict[str, Any], on_phase) -> dict[str, Any]:
     """``rec`` measured (harness.measure) with others' load recorded over the measurement and the noise
     judged; with ``on_noise=retry`` a noisy point is measured again, up to ``max_tries`` times, and the
-    quietest measurement is kept (fewest noise reasons, then the smallest relative spread)."""
+    quietest measurement is kept (fewest noise reasons, then the smallest relative spread). A retry
+    that fails (an oom with the first try's memory still cached, a non-finite result) ends the retries
+    and the quietest measurement before it is kept; the first try's failure is the point's."""
     best, fresh = None, dict(rec)
     for tries in range(1, s.measure.max_tries + 1):
         attempt = rec if tries == 1 else dict(fresh)  # the first fills rec: what it measured before a
@@ -444,17 +446,29 @@ def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device
             if p != "warm-up" and not load.started:
                 load.start()
             on_phase(p if t == 1 else f"{p} (try {t})")
-        measure_point(attn, batch_size=s.batch_at(seq_len), num_heads=s.num_heads, seq_len=seq_len, head_dim=s.head_dim,
-                      dtype=s.torch_dtype, device=device, causal=s.causal, seed=s.seed, opts=s.measure,
-                      record=attempt, on_phase=phase)
+        try:
+            measure_point(attn, batch_size=s.batch_at(seq_len), num_heads=s.num_heads, seq_len=seq_len,
+                          head_dim=s.head_dim, dtype=s.torch_dtype, device=device, causal=s.causal, seed=s.seed,
+                          opts=s.measure, record=attempt, on_phase=phase)
+        except Exception:
+            if best is None:
+                raise
+            release_memory(device)
+            break
         attempt["other_cpu_cores"] = load.stop()
-        reasons = noise_reasons(attempt, s.measure) if attempt["status"] == "ok" else []
-        attempt.update(noisy=bool(reasons) if attempt["status"] == "ok" else None,
-                       noise_reasons="; ".join(reasons) or None)
+        if attempt["status"] != "ok":  # nonfinite: nothing timed
+            if best is None:
+                return {**attempt, "tries": tries}
+            break
+        reasons = noise_reasons(attempt, s.measure)
+        attempt.update(noisy=bool(reasons), noise_reasons="; ".join(reasons) or None)
+        if tries > 1:  # the warm-up that compiled was the first try's: the point's cost of getting ready
+            attempt["warmup_s"] = rec["warmup_s"]
         if best is None or _noise_score(attempt, reasons) < _noise_score(*best):
             best = (attempt, reasons)
         if not reasons or s.measure.on_noise != "retry":
             break
+        release_memory(device)  # the try's cached blocks, before the next one allocates afresh
     return {**best[0], "tries": tries}
 
 

@@ -244,9 +244,11 @@ def test_full_math_memory_reproduces_the_n_squared_term(tmp_path):
     assert abs(measured / (3 * (matrix(n2) - matrix(n1))) - 1) < 0.15
     for n in (n1, n2):  # and the count itself at each length: three matrices
         assert abs(rows[n]["peak_mem_bytes"] / matrix(n) - 3) < 0.15
-    # The variant's analytic figure has the same N² term.
+    # The variant's analytic figure has the same N² term, and is the peak over the inputs itself.
     analytic = rows[n2]["analytic_mem_bytes"] - rows[n1]["analytic_mem_bytes"]
     assert abs(measured / analytic - 1) < 0.15
+    for n in (n1, n2):
+        assert abs(rows[n]["peak_mem_bytes"] / rows[n]["analytic_mem_bytes"] - 1) < 0.01, n
     fit = json.loads((tmp_path / "fit.json").read_text())["fits"]["memory"]
     assert abs(fit["fitted"] - fit["theory"]) < 0.1 and fit["seq_lens"] == [n1, n2]
 
@@ -308,6 +310,29 @@ def test_an_out_of_memory_error_wrapped_by_another_is_oom(tmp_path, monkeypatch)
     run(compose_cfg("variant=full", "seq_lens=[64,128,256]", "num_heads=2", "head_dim=16", "logger=none",
                     "measure.min_run_time=0.01"), output_dir=tmp_path)
     assert [(r["seq_len"], r["status"]) for r in rows_of(tmp_path)] == [(64, "ok"), (128, "oom"), (256, "skipped")]
+
+
+def test_a_retry_that_runs_out_of_memory_keeps_the_measurement_before_it(tmp_path, monkeypatch):
+    """on_noise=retry: a noisy first try, then an oom on the second (the first try's memory still cached
+    on a GPU): the point keeps the first try's measurement, flagged noisy, and the longer N still run
+    (it was once recorded oom, and stop_on_oom skipped every longer N)."""
+    real, calls = runmod.measure_point, []
+
+    def oom_on_second_try(attn, **kw):
+        calls.append(kw["seq_len"])
+        if calls.count(kw["seq_len"]) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(attn, **kw)
+
+    monkeypatch.setattr(runmod, "measure_point", oom_on_second_try)
+    run(compose_cfg("variant=full", "seq_lens=[64,128]", "num_heads=2", "head_dim=16", "logger=none",
+                    "measure.min_run_time=0.01", "measure.on_noise=retry", "measure.max_tries=3",
+                    "measure.max_rel_iqr=1e-9"),  # every timing with a spread is noisy: retried
+        output_dir=tmp_path)
+    rows = rows_of(tmp_path)
+    assert [(r["seq_len"], r["status"], r["noisy"], r["tries"]) for r in rows] == [(64, "ok", True, 2),
+                                                                                  (128, "ok", True, 2)]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
 
 
 def test_a_lost_device_stops_the_run_after_recording_its_point_and_later_runs_measure_nothing(tmp_path,

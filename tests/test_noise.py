@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from rich.console import Console
 
 from harness.report import sweep as report
@@ -38,6 +39,22 @@ def test_too_few_samples_is_noisy_and_says_why(tmp_path):
     # max_run_time below one block: the point cannot take its samples and says so
     (r,) = run(compose_cfg(*TINY, "measure.min_samples=1000", "measure.max_run_time=0.01"), output_dir=tmp_path).rows
     assert r.noisy and "samples < measure.min_samples=1000" in r.noise_reasons and "max_run_time=0.01" in r.noise_reasons
+
+
+def test_cpu_timing_of_long_calls_keeps_within_max_run_time():
+    """Every call counts against max_run_time: the autorange's estimate and each block topped up (Timer's
+    timeit would add two untimed calls per block: 11 calls of 0.2 s where 1 s allows 5)."""
+    import time
+
+    calls = []
+
+    def slow() -> None:
+        calls.append(1)
+        time.sleep(0.2)
+
+    t = time_fn(slow, torch.device("cpu"), MeasureOptions(min_run_time=0.1, min_samples=5, max_run_time=1.0))
+    assert len(calls) <= 5 and 2 <= t.samples < 5  # fewer samples than asked, within the limit
+    assert t.median_ms == pytest.approx(200, rel=0.5)
 
 
 def test_gpu_repeats_give_every_call_a_spread_within_max_run_time():

@@ -168,10 +168,12 @@ class Attention(nn.Module):
         return self.allowed_pairs(seq_len, causal)
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
-        """Analytic estimate of the extra peak memory of forward+backward (inputs excluded)."""
-        # Saved probabilities and one gradient-sized buffer of the same size, plus q/k/v/out-sized
-        # gradients and outputs. Variants with their own structure override this.
-        return element_size * B * H * (3 * self.executed_pairs(N, causal) + 6 * N * D)
+        """Analytic estimate of the extra peak memory of forward+backward (q, k, v and the output
+        gradient, the inputs, excluded)."""
+        # Dense attention's peak is the softmax backward: the saved probabilities P, dP and dS (three
+        # score-sized tensors) beside the output and dV (two N×D); dq and dk come after it. Measured
+        # exactly so (tests/test_harness.py). Variants with their own structure override this.
+        return element_size * B * H * (3 * self.executed_pairs(N, causal) + 2 * N * D)
 
     # ----- training: what a model that trains the variant asks of each layer (harness/quality/task.py) -
     def regulariser(self) -> Tensor | None:

@@ -63,8 +63,7 @@ class Full(Attention):
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
         if self.backend in ("math", "sdpa_math"):
-            # Scores, probabilities and their gradient: three N×N matrices at the peak.
-            return element_size * B * H * (3 * N * N + 6 * N * D)
+            return super().memory_bytes(B, H, N, D, element_size, causal)  # three N×N at the peak
         return element_size * B * H * 8 * N * D  # fused: O(N·D), log-sum-exp and gradients
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
