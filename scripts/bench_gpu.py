@@ -17,6 +17,8 @@ skips the points it has, a finished step is not run again):
         variant with every backend the device has (the other N×N backends last): the harness stops a
         series at its first oom -> a/<variant>/<job>/. Its sweeps that targets need (full's N×N backends
         for Table 21, the exponent series) run before d, as step a-targets.
+Every step runs in a process of its own (c and a: the harness's sweeps; roof and d: this script again),
+so this one holds no GPU memory while a sweep measures, and a crash ends a step, not the job.
 Then SUMMARY.md and summary.json (targets: met | missed, with the gap | not measured | skipped on CPU),
 and harness.report's plots and tables for a/ and c/ (a/report/, c/report/).
 
@@ -221,7 +223,7 @@ def part_roof(ctx: Context) -> None:
     for dtype in ("bfloat16", "float16"):
         g = torch.Generator(device=ctx.device).manual_seed(0)
         x, y = (torch.randn(n, n, device=ctx.device, dtype=getattr(torch, dtype), generator=g) for _ in range(2))
-        ms = do_bench(lambda: torch.matmul(x, y), warmup=100, rep=500, return_mode="median")
+        ms = do_bench(lambda x=x, y=y: torch.matmul(x, y), warmup=100, rep=500, return_mode="median")
         out["tflops"][dtype] = 2 * n**3 / (ms * 1e-3) / 1e12
         ctx.log(f"[roof] {dtype} {n}^3: {ms:.3f} ms = {out['tflops'][dtype]:.1f} TFLOP/s")
         del x, y
@@ -388,6 +390,27 @@ def part_d(ctx: Context) -> None:
                 return
     overhead(ctx)
     ctx.finish("d", "complete")
+
+
+def apart(ctx: Context, step: str) -> None:
+    """Runs roof or d, the steps that time kernels in this script's own process, in a child process: the
+    orchestrating process holds no GPU memory while the sweeps measure (it would move their OOM frontier),
+    and a kernel that crashes its process (a segfault, a lost CUDA context) ends that step, not the job."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", str(ctx.out), "--steps", step,
+           "--variants", ",".join(ctx.labels), *(["--smoke"] if ctx.plan.smoke else [])]
+    if ctx.left() != float("inf"):
+        if ctx.left() < 20:
+            return ctx.log(f"[{step}] not started: the budget is spent (run again to continue)")
+        cmd += ["--budget-s", f"{ctx.left():.0f}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    try:
+        rc = proc.wait(timeout=None if ctx.left() == float("inf") else ctx.left() + 60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    ctx.state = load_state(ctx.out)  # what the child recorded
+    if rc != 0:
+        ctx.log(f"[{step}] its process ended with exit {rc}: what it wrote is kept; run again to continue")
 
 
 def overhead(ctx: Context) -> None:
@@ -687,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, float32 on CPU: the orchestration end to end")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite SUMMARY.md, summary.json and reports")
     ap.add_argument("--pending", action="store_true", help="print the steps not complete in --out and exit")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # roof/d in a process of their own
     args = ap.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
     chosen = [v for v in args.variants.split(",") if v]
@@ -711,13 +735,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.pending:
         print(" ".join(s for s in steps if not ctx.done(s)))
         return 0
+    if args.child:  # roof or d, for a parent invocation (``apart``)
+        for step in steps:
+            if not ctx.done(step):
+                {"roof": part_roof, "d": part_d}[step](ctx)
+        return 0
     if not args.summary_only:
         record_invocation(ctx, steps)
         ctx.log(f"bench_gpu: steps {','.join(steps)} on {device} -> {out}")
+        parts = {"roof": lambda ctx: apart(ctx, "roof"), "c": part_c, "a-targets": lambda ctx: part_a(ctx, 1),
+                 "d": lambda ctx: apart(ctx, "d"), "a": part_a}
         for step in steps:
             if not ctx.done(step):
-                {"roof": part_roof, "c": part_c, "a-targets": lambda ctx: part_a(ctx, 1), "d": part_d,
-                 "a": part_a}[step](ctx)
+                parts[step](ctx)
                 ctx.log(f"step {step}: {'complete' if ctx.done(step) else 'not complete'}")
     res = summarize(ctx)
     for t in res["targets"]:
