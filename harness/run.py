@@ -434,7 +434,7 @@ def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device
     quietest measurement is kept (fewest noise reasons, then the smallest relative spread). A retry
     that fails (an oom with the first try's memory still cached, a non-finite result) ends the retries
     and the quietest measurement before it is kept; the first try's failure is the point's."""
-    best, fresh = None, dict(rec)
+    best, fresh, failed = None, dict(rec), None
     for tries in range(1, s.measure.max_tries + 1):
         attempt = rec if tries == 1 else dict(fresh)  # the first fills rec: what it measured before a
         # failure (an OOM in the backward) is kept by the caller
@@ -450,15 +450,17 @@ def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device
             measure_point(attn, batch_size=s.batch_at(seq_len), num_heads=s.num_heads, seq_len=seq_len,
                           head_dim=s.head_dim, dtype=s.torch_dtype, device=device, causal=s.causal, seed=s.seed,
                           opts=s.measure, record=attempt, on_phase=phase)
-        except Exception:
+        except Exception as e:
             if best is None:
                 raise
             release_memory(device)
+            failed = f"try {tries} ended {failure(e)['status']}: {failure(e)['reason']}"
             break
         attempt["other_cpu_cores"] = load.stop()
         if attempt["status"] != "ok":  # nonfinite: nothing timed
             if best is None:
                 return {**attempt, "tries": tries}
+            failed = f"try {tries} ended {attempt['status']}: {attempt['reason']}"
             break
         reasons = noise_reasons(attempt, s.measure)
         attempt.update(noisy=bool(reasons), noise_reasons="; ".join(reasons) or None)
@@ -469,6 +471,8 @@ def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device
         if not reasons or s.measure.on_noise != "retry":
             break
         release_memory(device)  # the try's cached blocks, before the next one allocates afresh
+    if failed is not None:  # said beside the kept try's noise (it is noisy: that is why it was retried)
+        best[0]["noise_reasons"] = one_line(f"{best[0]['noise_reasons']}; {failed}")[:1000]
     return {**best[0], "tries": tries}
 
 

@@ -333,6 +333,8 @@ def test_a_retry_that_runs_out_of_memory_keeps_the_measurement_before_it(tmp_pat
     assert [(r["seq_len"], r["status"], r["noisy"], r["tries"]) for r in rows] == [(64, "ok", True, 2),
                                                                                   (128, "ok", True, 2)]
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
+    assert all(r["noise_reasons"].endswith("; try 2 ended oom: CUDA out of memory. Tried to allocate 2.00 GiB")
+               for r in rows), rows[0]["noise_reasons"]
 
 
 def test_a_lost_device_stops_the_run_after_recording_its_point_and_later_runs_measure_nothing(tmp_path,
