@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 MODES = ("online", "offline", "disabled")
 # Per-point metrics plotted against seq_len; task curves have their own step.
@@ -51,12 +52,22 @@ def sweep_group_name(sweep_dir: str | Path) -> str:
 
 
 def has_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
+    """What wandb itself accepts, checked without importing it or touching the network: an API key or
+    identity token in the environment, or a ~/.netrc entry for the wandb host."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
-    try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return False
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    if os.environ.get("NETRC"):
+        paths = [Path(os.environ["NETRC"]).expanduser()]
+    else:
+        paths = [Path.home() / ".netrc", Path.home() / "_netrc"]
+    for path in paths:
+        try:
+            if netrc.netrc(str(path)).authenticators(host) is not None:
+                return True
+        except (OSError, netrc.NetrcParseError):
+            continue
+    return False
 
 
 def resolve_mode(cfg: LoggerConfig) -> str:

@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import netrc
 import os
 import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "wandb_dashboard"
@@ -60,25 +58,6 @@ SECTIONS = (
 
 class Failure(Exception):
     """A problem said in one line; exit 1."""
-
-
-def has_credentials() -> bool:
-    """What wandb itself accepts, checked without importing it or touching the network: an API key or
-    identity token in the environment, or a ~/.netrc entry for the wandb host."""
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return True
-    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
-    if os.environ.get("NETRC"):
-        paths = [Path(os.environ["NETRC"]).expanduser()]
-    else:
-        paths = [Path.home() / ".netrc", Path.home() / "_netrc"]
-    for path in paths:
-        try:
-            if netrc.netrc(str(path)).authenticators(host) is not None:
-                return True
-        except (OSError, netrc.NetrcParseError):
-            continue
-    return False
 
 
 def logger_defaults() -> dict[str, Any]:
@@ -183,6 +162,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from harness.logger import has_credentials
+
     if not args.dry_run and not has_credentials():
         print(NO_CREDENTIALS, file=sys.stderr)
         return 1

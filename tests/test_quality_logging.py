@@ -165,3 +165,20 @@ def test_non_finite_numbers_are_written_as_null_not_a_crash():
     row = Result(**rec).record()
     assert row["out_rel_err"] is None and row["out_cos"] is None
     json.dumps(row, allow_nan=False)
+
+
+def test_credentials_for_a_self_hosted_wandb_server_make_runs_online(tmp_path, monkeypatch):
+    """`wandb login --host` writes a ~/.netrc entry for that host and WANDB_BASE_URL names it: the
+    harness logs online there, as wandb itself would, not offline without a word."""
+    from harness.logger import LoggerConfig, has_credentials, resolve_mode
+
+    rc = tmp_path / "netrc"
+    rc.write_text("machine wandb.example.org login user password secret\n")
+    rc.chmod(0o600)
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(rc))
+    assert not has_credentials()  # an entry for another host than api.wandb.ai
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert has_credentials()
+    assert resolve_mode(LoggerConfig(name="wandb")) == "online"
