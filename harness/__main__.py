@@ -40,11 +40,13 @@ def hydra_main(cfg: DictConfig) -> None:
     multirun = hc.mode == RunMode.MULTIRUN
     RUNS_STARTED.append(hc.runtime.output_dir)
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
-        # A SLURM job (hydra/launcher=slurm): scancel and the time limit's SIGTERM end the run as on the
-        # command line (status interrupted, resumable), not ignored until the SIGKILL as submitit would.
+        # A SLURM job (hydra/launcher=slurm): scancel's SIGTERM and the time limit's warning (SIGUSR2)
+        # end the run as on the command line (status interrupted, resumable), neither ignored until the
+        # SIGKILL nor raised by submitit inside the point being measured (harness.run.TimeLimit).
         import signal
 
         signal.signal(signal.SIGTERM, terminate)
+        signal.signal(signal.SIGUSR2, terminate)
     try:
         run(cfg)  # into Hydra's output directory (HydraConfig.get().runtime.output_dir)
     except RunInterrupted as e:  # the directory's status says interrupted; a sweep stops here too
@@ -67,11 +69,15 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def terminate(signum, frame) -> None:
-    """SIGTERM (a scheduler's cancel, ``kill``): end the run as Ctrl-C does, with its own exit code."""
-    from harness.run import PENDING_INTERRUPTS, Terminated
+    """SIGTERM (a scheduler's cancel, ``kill``) or, in a SLURM job, SIGUSR2 (the time limit is near): end
+    the run as Ctrl-C does, with its own exit code."""
+    import signal
 
-    PENDING_INTERRUPTS.append(Terminated)  # raised again at the run's next phase, should this one be lost
-    raise Terminated()
+    from harness.run import PENDING_INTERRUPTS, Terminated, TimeLimit
+
+    kind = TimeLimit if signum == signal.SIGUSR2 else Terminated
+    PENDING_INTERRUPTS.append(kind)  # raised again at the run's next phase, should this one be lost
+    raise kind()
 
 
 def interrupt(signum, frame) -> None:
@@ -103,13 +109,14 @@ def main() -> None:
     except KeyboardInterrupt as e:  # before, between or after runs (startup, composing, a sweep's end)
         from harness.run import Terminated
 
-        print(f"error: {interrupted_outside_a_run(isinstance(e, Terminated), RUNS_STARTED)}", file=sys.stderr)
-        sys.exit(143 if isinstance(e, Terminated) else 130)
+        name, code = (e.NAME, e.EXIT_CODE) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        print(f"error: {interrupted_outside_a_run(name, RUNS_STARTED)}", file=sys.stderr)
+        sys.exit(code)
 
 
-def interrupted_outside_a_run(terminated: bool, started: list[str]) -> str:
-    """The line for an interrupt that came while no run was measuring (a run's own says its points)."""
-    name = "SIGTERM" if terminated else "Ctrl-C"
+def interrupted_outside_a_run(name: str, started: list[str]) -> str:
+    """The line for an interrupt (``name``: Ctrl-C, SIGTERM, ...) that came while no run was measuring
+    (a run's own says its points)."""
     if not started:
         return f"interrupted ({name}) before a run started; nothing was measured"
     return (f"interrupted ({name}) outside a run, after {len(started)} run(s) started (the last in "

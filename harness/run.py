@@ -130,6 +130,16 @@ class RunInterrupted(BaseException):
 class Terminated(KeyboardInterrupt):
     """Raised by the command line's SIGTERM handler, so that a cancelled job ends like Ctrl-C."""
 
+    NAME, EXIT_CODE = "SIGTERM", 143
+
+
+class TimeLimit(Terminated):
+    """SLURM's warning that a job nears its time limit (SIGUSR2, ``signal_delay_s`` before it, as the
+    SLURM launcher asks): the run ends as interrupted, resumable, before the kill. (submitit's own handler
+    would raise inside the point being measured, which then stood as an error that no rerun retried.)"""
+
+    NAME, EXIT_CODE = "SIGUSR2: the SLURM time limit is near", 140
+
 
 # The interrupts the command line's handlers saw (``Terminated`` or ``KeyboardInterrupt`` classes). Python
 # drops an exception raised inside a finalizer (it prints "Exception ignored in ..."): a signal landing
@@ -262,7 +272,7 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
             for sink in sinks:
                 sink.complete(sweep)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through the command line's handler
-        signal_name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        signal_name, code = (e.NAME, e.EXIT_CODE) if isinstance(e, Terminated) else ("Ctrl-C", 130)
         message = (f"interrupted ({signal_name}) after {len(done)} of {len(wanted)} points; rerun the same "
                    f"command to resume")
         status.finish("interrupted", message)

@@ -40,8 +40,8 @@ def cli(*args: str, wandb: bool = False, timeout: float = 120) -> subprocess.Com
                           env=env)
 
 
-def start(*args: str, wandb: bool = False) -> subprocess.Popen:
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+def start(*args: str, wandb: bool = False, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
     return subprocess.Popen(harness(*args, wandb=wandb), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=env)
 
@@ -253,11 +253,16 @@ def test_a_cut_last_line_is_moved_aside_not_appended_to(tmp_path):
 
 @pytest.mark.parametrize("sig,code,name,wandb", [(signal.SIGINT, 130, "Ctrl-C", False),
                                                 (signal.SIGTERM, 143, "SIGTERM", False),
-                                                (signal.SIGINT, 130, "Ctrl-C", True)],  # wandb's run ends too
-                         ids=["Ctrl-C", "SIGTERM", "Ctrl-C-wandb"])
+                                                (signal.SIGINT, 130, "Ctrl-C", True),  # wandb's run ends too
+                                                # a SLURM job's warning before its time limit
+                                                (signal.SIGUSR2, 140, "SIGUSR2: the SLURM time limit is near",
+                                                 False)],
+                         ids=["Ctrl-C", "SIGTERM", "Ctrl-C-wandb", "SLURM-time-limit"])
 def test_an_interrupt_is_one_line_status_interrupted_and_resumable(tmp_path, sig, code, name, wandb):
     out = tmp_path / "D"
-    proc = start("seq_lens=[32,40,48,56]", "measure.min_run_time=0.3", f"hydra.run.dir={out}", wandb=wandb)
+    slurm = {"SUBMITIT_EXECUTOR": "slurm"} if sig == signal.SIGUSR2 else None  # as a SLURM job runs it
+    proc = start("seq_lens=[32,40,48,56]", "measure.min_run_time=0.3", f"hydra.run.dir={out}", wandb=wandb,
+                 env=slurm)
     wait_for(lambda: len(lines_of(out / "results.jsonl")) >= 1, proc, "a first point")
     os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=60)
@@ -267,7 +272,7 @@ def test_an_interrupt_is_one_line_status_interrupted_and_resumable(tmp_path, sig
                                                                          "resume" in line, line
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "interrupted" and status["error"] == line.removeprefix("error: ")
-    assert all(json.loads(x) for x in lines_of(out / "results.jsonl"))
+    assert all(json.loads(x)["status"] == "ok" for x in lines_of(out / "results.jsonl"))  # none cut to an error
     assert cli("seq_lens=[32,40,48,56]", f"hydra.run.dir={out}").returncode == 0
     assert seq_lens_of(out) == [32, 40, 48, 56]
 
@@ -292,8 +297,8 @@ def test_an_interrupt_between_runs_does_not_say_nothing_was_measured():
     """A sweep's Ctrl-C between two jobs (no run measuring) keeps what the finished jobs measured."""
     from harness.__main__ import interrupted_outside_a_run
 
-    assert interrupted_outside_a_run(False, []) == "interrupted (Ctrl-C) before a run started; nothing was measured"
-    line = interrupted_outside_a_run(True, ["sweep/0", "sweep/1"])
+    assert interrupted_outside_a_run("Ctrl-C", []) == "interrupted (Ctrl-C) before a run started; nothing was measured"
+    line = interrupted_outside_a_run("SIGTERM", ["sweep/0", "sweep/1"])
     assert line.startswith("interrupted (SIGTERM) outside a run, after 2 run(s) started (the last in sweep/1)")
     assert "nothing was measured" not in line
 
