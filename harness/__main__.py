@@ -110,13 +110,21 @@ def main() -> None:
         from harness.run import Terminated
 
         name, code = (e.NAME, e.EXIT_CODE) if isinstance(e, Terminated) else ("Ctrl-C", 130)
-        print(f"error: {interrupted_outside_a_run(name, RUNS_STARTED)}", file=sys.stderr)
+        from harness.hydra_hooks import MULTIRUN
+
+        print(f"error: {interrupted_outside_a_run(name, RUNS_STARTED, MULTIRUN[-1] if MULTIRUN else None)}",
+              file=sys.stderr)
         sys.exit(code)
 
 
-def interrupted_outside_a_run(name: str, started: list[str]) -> str:
-    """The line for an interrupt (``name``: Ctrl-C, SIGTERM, ...) that came while no run was measuring
-    (a run's own says its points)."""
+def interrupted_outside_a_run(name: str, started: list[str], sweep: str | None = None) -> str:
+    """The line for an interrupt (``name``: Ctrl-C, SIGTERM, ...) that came while no run of this process
+    was measuring (a run's own says its points). ``sweep``: the directory of a multirun this process
+    launched, whose jobs may be running elsewhere (joblib's workers, a cluster)."""
+    if not started and sweep is not None:
+        return (f"interrupted ({name}) while the multirun's jobs ran in other processes: each job's "
+                f"status.json under {sweep} says how far it got (jobs already submitted to a cluster keep "
+                f"running: scancel them); rerun the same command to resume")
     if not started:
         return f"interrupted ({name}) before a run started; nothing was measured"
     return (f"interrupted ({name}) outside a run, after {len(started)} run(s) started (the last in "

@@ -28,6 +28,8 @@ from omegaconf import DictConfig
 REFUSED = "refused-jobs.jsonl"
 # What the multirun that just ended says when one of its jobs did not complete (harness.__main__ exits 1).
 NOT_COMPLETE: list[str] = []
+# The sweep directory of a multirun started in this process (its jobs may run in others: joblib, SLURM).
+MULTIRUN: list[str] = []
 
 
 def job_states(root: Path) -> dict[Path, str]:
@@ -60,6 +62,7 @@ class Hooks(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         NOT_COMPLETE.clear()
+        MULTIRUN.append(str(config.hydra.sweep.dir))
         (Path(str(config.hydra.sweep.dir)) / REFUSED).unlink(missing_ok=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -301,6 +301,9 @@ def test_an_interrupt_between_runs_does_not_say_nothing_was_measured():
     line = interrupted_outside_a_run("SIGTERM", ["sweep/0", "sweep/1"])
     assert line.startswith("interrupted (SIGTERM) outside a run, after 2 run(s) started (the last in sweep/1)")
     assert "nothing was measured" not in line
+    # A multirun whose jobs run in other processes (joblib, SLURM): this process started none itself.
+    line = interrupted_outside_a_run("Ctrl-C", [], "multirun/x")
+    assert "jobs ran in other processes" in line and "under multirun/x" in line and "nothing was" not in line
 
 
 def test_an_impossible_output_directory_is_one_line_exit_2(tmp_path):
