@@ -66,6 +66,13 @@ def hydra_main(cfg: DictConfig) -> None:
         except OSError:
             pass
         print(f"error: job {hc.job.num} ({hc.job.override_dirname}): {one_line(e)}", file=sys.stderr)
+    except Exception as e:  # a failure of the harness itself (a bug, wandb refusing to start)
+        if not multirun:
+            raise
+        # Its status.json says failed (harness.run); the sweep's other jobs go on and its summary is
+        # printed (raised, it would end the multirun in Hydra's traceback before the summary).
+        print(f"error: job {hc.job.num} ({hc.job.override_dirname}) failed: {one_line(f'{type(e).__name__}: {e}')}",
+              file=sys.stderr)
 
 
 def terminate(signum, frame) -> None:

@@ -134,6 +134,25 @@ def test_a_multirun_with_a_refused_job_exits_1_without_the_script(tmp_path):
     assert "seq_len" in error[0] and "not every job of the sweep completed" in error[-1], p.stderr
 
 
+def test_a_job_failing_in_the_harness_itself_still_ends_with_the_summary(tmp_path):
+    """A job that fails outside any point (here wandb refuses the run id stored in its directory) is said
+    in one line, status failed; the other job completes and the multirun prints its summary, exit 1
+    (raised, the failure ended the multirun in Hydra's traceback before the summary)."""
+    first = tmp_path / "0" / "wandb"  # job 0: variant=full
+    first.mkdir(parents=True)
+    (first / "harness-run.json").write_text(json.dumps({"id": "bad/id", "next_step": 0}))
+    tiny = [a for a in TINY if a != "logger=none"]
+    p = subprocess.run([sys.executable, "-m", "harness", "-m", *tiny, "variant=full,linear", "logger=wandb",
+                        "logger.mode=offline", f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=${hydra.job.num}"],
+                       check=False, cwd=ROOT, env=env(WANDB_SILENT="true"), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "jobs: 2 (completed 1, failed 1)" in p.stdout, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    failed = [line for line in p.stderr.splitlines() if line.startswith("error: job 0")]
+    assert len(failed) == 1 and "failed:" in failed[0], p.stderr[-2000:]
+    assert json.loads((tmp_path / "0" / "status.json").read_text())["state"] == "failed"
+
+
 def test_parallel_jobs_sharing_a_directory_wait_for_each_other(tmp_path):
     """seq_lens is not part of a job's directory name: a sweep over it has two jobs in one directory,
     which the parallel launcher runs at once. The second waits for the first, then both are measured."""
