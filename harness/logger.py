@@ -51,6 +51,18 @@ def sweep_group_name(sweep_dir: str | Path) -> str:
     return "/".join(path.parts[-2:])
 
 
+def jobs_group(sweep_dir: Path) -> str | None:
+    """The wandb group the sweep's jobs logged to when one set ``logger.group`` (read from the jobs'
+    .hydra/config.yaml); None when none did (their group is then ``sweep_group_name(sweep_dir)``)."""
+    from omegaconf import OmegaConf
+
+    for config in sorted(Path(sweep_dir).glob("*/.hydra/config.yaml")):
+        logger = OmegaConf.to_container(OmegaConf.load(config)).get("logger") or {}
+        if logger.get("name", "wandb") == "wandb" and logger.get("group"):
+            return str(logger["group"])
+    return None
+
+
 def has_credentials() -> bool:
     """What wandb itself accepts, checked without importing it or touching the network: an API key or
     identity token in the environment, or a ~/.netrc entry for the wandb host."""
@@ -101,19 +113,22 @@ class RunLogger:
     def directory(self) -> Path | None:
         return None if self.run is None else Path(self.run.dir).parent
 
-    def _log(self, values: dict[str, Any]) -> None:
-        self.run.log(values, step=self.state.next_step())
+    def log(self, values: dict[str, Any]) -> None:
+        """One step of the directory's run, after every step it logged before (its state in
+        harness-run.json): a resumed run's history never goes back to a step it already has."""
+        if self.run is not None:
+            self.run.log(values, step=self.state.next_step())
 
     def add(self, row) -> None:
         """One measured point (a results.Result): every number of its row (seq_len is the x-axis)."""
         if self.run is not None:
-            self._log({k: v for k, v in row.record().items() if _is_number(v)})
+            self.log({k: v for k, v in row.record().items() if _is_number(v)})
 
     def log_task_step(self, seq_len: int, step: int, metrics: dict[str, float]) -> None:
         """One eval of the task trained at ``seq_len``: keys task/N<seq_len>/<metric>, so each length's
         training curve is a line of its own against task/step."""
         if self.run is not None:
-            self._log({"task/step": step, **{f"task/N{seq_len}/{k}": v for k, v in metrics.items()}})
+            self.log({"task/step": step, **{f"task/N{seq_len}/{k}": v for k, v in metrics.items()}})
 
     def complete(self, sweep) -> None:
         """The run is done: a table of every point of its directory, and the fitted exponents."""
@@ -140,7 +155,7 @@ class RunLogger:
             if pts:
                 t = wandb.Table(columns=["seq_len", metric], data=pts)
                 plots[f"plot/{metric}"] = wandb.plot.line(t, "seq_len", metric, title=f"{title} vs seq_len")
-        self._log({"points": table, **plots})
+        self.log({"points": table, **plots})
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.run is not None:

@@ -76,17 +76,14 @@ def group_from_dir(sweep_dir: Path) -> str:
     group name (harness.logger.sweep_group_name, as harness.run gives it)."""
     from omegaconf import OmegaConf
 
-    from harness.logger import sweep_group_name
+    from harness.logger import jobs_group, sweep_group_name
 
-    jobs = sorted(p.parent for p in sweep_dir.glob("*/.hydra/config.yaml"))
-    if not jobs:
+    configs = sorted(sweep_dir.glob("*/.hydra/config.yaml"))
+    if not configs:
         raise Failure(f"{sweep_dir}: no sweep jobs (*/.hydra/config.yaml) here; pass the wandb group name")
-    for job in jobs:
-        logger = OmegaConf.to_container(OmegaConf.load(job / "config.yaml")).get("logger") or {}
-        if logger.get("name", "wandb") != "wandb":
-            continue
-        return str(logger.get("group") or sweep_group_name(sweep_dir))
-    raise Failure(f"{sweep_dir}: its jobs ran without wandb (logger=none); nothing to chart")
+    if all((OmegaConf.load(c).get("logger") or {}).get("name", "wandb") != "wandb" for c in configs):
+        raise Failure(f"{sweep_dir}: its jobs ran without wandb (logger=none); nothing to chart")
+    return jobs_group(sweep_dir) or sweep_group_name(sweep_dir)
 
 
 def literal(text: str) -> str:

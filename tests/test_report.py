@@ -252,6 +252,11 @@ def test_report_wandb_logs_plots_and_tables_offline(tmp_path, monkeypatch):
     while b"mysweep" not in next(run.glob("*.wandb")).read_bytes() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert b"mysweep" in next(run.glob("*.wandb")).read_bytes()
+    # A second report into the same run logs after the first's step: a synced run keeps both
+    state = sweep / "report" / "wandb" / "harness-run.json"
+    assert json.loads(state.read_text())["next_step"] == 1
+    assert report.main([str(sweep), "--wandb"]) == 0
+    assert json.loads(state.read_text())["next_step"] == 2
 
 
 # ----- compare ---------------------------------------------------------------------------------------

@@ -266,3 +266,16 @@ def test_wandb_dashboard_report_outline(tmp_path):
             metrics.update(panel["y"])
     assert metrics == {"fwd_ms", "bwd_ms", "fwd_bwd_ms", "peak_mem_bytes", "out_rel_err", "mass_kept",
                        "task_accuracy"}
+
+
+def test_the_group_of_a_sweeps_runs_is_logger_group_where_its_jobs_set_it(tmp_path):
+    """The report's wandb run and the dashboard go to the group the jobs logged to."""
+    from harness.logger import jobs_group, sweep_group_name
+
+    for job, logger in (("0", {"name": "none"}), ("1", {"name": "wandb", "group": None})):
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+        (tmp_path / job / ".hydra" / "config.yaml").write_text(json.dumps({"logger": logger}))
+    assert jobs_group(tmp_path) is None  # the jobs' group is the sweep's name then
+    assert sweep_group_name(tmp_path) == "/".join(tmp_path.parts[-2:])
+    (tmp_path / "1" / ".hydra" / "config.yaml").write_text(json.dumps({"logger": {"name": "wandb", "group": "ab"}}))
+    assert jobs_group(tmp_path) == "ab"
