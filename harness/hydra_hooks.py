@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +31,24 @@ REFUSED = "refused-jobs.jsonl"
 NOT_COMPLETE: list[str] = []
 # The sweep directory of a multirun started in this process (its jobs may run in others: joblib, SLURM).
 MULTIRUN: list[str] = []
+STARTED: list[float] = []  # when it started (time.time())
 
 
-def job_states(root: Path) -> dict[Path, str]:
+# A job of this multirun wrote its status.json after the multirun started; clocks of a cluster's nodes and
+# its file server may disagree by this much.
+CLOCK_SLACK_S = 120.0
+
+
+def job_states(root: Path, since: float | None = None) -> dict[Path, str]:
     """Every job directory under a sweep directory (one with results.jsonl or status.json; a report's
-    folders excluded) -> its state."""
+    folders excluded) -> its state; with ``since`` (a time.time()), only those whose files changed after
+    it: the jobs of the multirun that started then, not those an earlier sweep left in the directory."""
     from harness.results import job_state  # "gone": said running, but no live process holds it
 
-    jobs = {p.parent for name in ("results.jsonl", "status.json") for p in root.rglob(name)}
-    return {job: str(job_state(job).get("state", "?")) for job in sorted(jobs)
-            if "report" not in job.relative_to(root).parts}
+    files = [p for name in ("results.jsonl", "status.json") for p in root.rglob(name)
+             if "report" not in p.parent.relative_to(root).parts]
+    jobs = {p.parent for p in files if since is None or p.stat().st_mtime >= since - CLOCK_SLACK_S}
+    return {job: str(job_state(job).get("state", "?")) for job in sorted(jobs)}
 
 
 def record_refused(sweep_dir: str | Path, num: int, overrides: str, message: str) -> None:
@@ -63,13 +72,14 @@ class Hooks(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         NOT_COMPLETE.clear()
         MULTIRUN.append(str(config.hydra.sweep.dir))
+        STARTED.append(time.time())
         (Path(str(config.hydra.sweep.dir)) / REFUSED).unlink(missing_ok=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         root = Path(str(config.hydra.sweep.dir))
         if not root.is_dir():
             return
-        states = collections.Counter(job_states(root).values())
+        states = collections.Counter(job_states(root, STARTED[-1] if STARTED else None).values())
         refused = root / REFUSED
         if refused.exists():  # each a job whose directory another job's status.json speaks for
             states["refused (directory in use)"] += len(refused.read_text().splitlines())

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,21 @@ def test_a_job_failing_in_the_harness_itself_still_ends_with_the_summary(tmp_pat
     failed = [line for line in p.stderr.splitlines() if line.startswith("error: job 0")]
     assert len(failed) == 1 and "failed:" in failed[0], p.stderr[-2000:]
     assert json.loads((tmp_path / "0" / "status.json").read_text())["state"] == "failed"
+
+
+def test_the_summary_counts_this_multiruns_jobs_not_an_earlier_sweeps(tmp_path):
+    """A job an earlier sweep left interrupted in the same sweep directory (another sub-grid) is not one of
+    this multirun's: it neither shows in the summary nor makes the multirun exit 1."""
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "status.json").write_text(json.dumps({"state": "interrupted", "error": "interrupted (Ctrl-C)"}))
+    hour_ago = time.time() - 3600
+    os.utime(old / "status.json", (hour_ago, hour_ago))
+    p = subprocess.run([sys.executable, "-m", "harness", "-m", *TINY, "variant=full", f"hydra.sweep.dir={tmp_path}",
+                        "hydra.sweep.subdir=new"], check=False, cwd=ROOT, env=env(), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "jobs: 1 (completed 1)" in p.stdout, p.stdout
 
 
 def test_parallel_jobs_sharing_a_directory_wait_for_each_other(tmp_path):
