@@ -6,8 +6,8 @@ harness can take the directory's lock, so a second run into a directory another 
 replaced the first one's record before being refused. It is refused here first, in one line, exit 2.
 
 How a multirun (``python -m harness -m ...``, scripts/sweep.sh) ends, whatever launched its jobs (basic
-launcher: in this process; joblib, submitit, SLURM: elsewhere): one line with every job's state, and exit
-status 1 when a job did not complete. A job's state is its directory's status.json
+launcher: in this process; joblib, submitit, SLURM: elsewhere): one line with the state of every job it
+ran (not of jobs an earlier sweep left in the directory), and exit status 1 when one did not complete. A job's state is its directory's status.json
 (``harness.results.job_state``): what the job said itself (completed, refused, failed, interrupted), or
 what the SLURM launcher wrote for a job that could not. A job refused because another command's run
 holds its directory cannot write there: it adds a line to the sweep's ``refused-jobs.jsonl`` instead,
