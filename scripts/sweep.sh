@@ -45,7 +45,7 @@ if ! [[ "$PRESET" =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]*$ ]] || [ ! -f "$ROOT/conf/swee
 fi
 
 # The sweep dir: the user's hydra.sweep.dir=... (made absolute against the current directory, as
-# Hydra would; it is also the jobs' wandb group), else a fresh one under the repo.
+# Hydra would; its last two parts are the jobs' wandb group), else a fresh one under the repo.
 SWEEP_DIR=""
 args=()
 for a in "$@"; do

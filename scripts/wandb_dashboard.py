@@ -4,9 +4,10 @@
     python scripts/wandb_dashboard.py SWEEP_GROUP [--project P] [--entity E] [--title T]
                                       [--group-by KEY ...] [--dry-run]
 
-SWEEP_GROUP is the wandb group of the sweep's runs: ``logger.group`` when it was set, else the sweep
-directory as Hydra was given it (scripts/sweep.sh passes an absolute path). Passing the sweep directory
-itself works too: the group is read from its jobs' .hydra/ files.
+SWEEP_GROUP is the wandb group of the sweep's runs: ``logger.group`` when it was set, else the last two
+parts of the sweep directory (harness.logger.sweep_group_name: multirun/cpu_small/2026-11-22T07-24-36Z ->
+cpu_small/2026-11-22T07-24-36Z). Passing the sweep directory itself works too: the group is read from
+its jobs' .hydra/ files.
 
 The report has three panel grids over the group's runs, each a line plot against ``seq_len`` (the
 x-axis the harness declares with define_metric), log x:
