@@ -183,9 +183,10 @@ def test_executed_band_is_the_reach_of_the_largest_span():
     assert attn.band_shape(30, False) == (1, 30, 30)  # the band covers the sequence: one N × N chunk
 
 
-def test_reach_is_read_from_z_once_until_z_changes():
+def test_reach_is_read_from_z_once_until_z_changes(monkeypatch):
     """reach() reads z on the host (a device sync on GPU): once per value of z, renewed by an optimiser
-    step and by a copy to another device or dtype."""
+    step and by a copy to another device or dtype. (Kept on CUDA only; here on the CPU for the test.)"""
+    monkeypatch.setattr(AdaptiveSpan, "reach_kept_on", ("cpu", "cuda"))
     attn = build([3.2, 10.0])
     q, k, v = qkv(1, 2, 100, 16, dtype=torch.float32)
     attn(q, k, v).sum().backward()
@@ -197,6 +198,24 @@ def test_reach_is_read_from_z_once_until_z_changes():
     assert attn.reach() == want != 10 + R - 1 and attn._reach is not kept
     attn.double()  # a new z: read again
     assert attn.reach() == want and attn._reach[0] == (attn.z.data_ptr(), attn.z.device, attn.z._version)
+
+
+def test_reach_follows_a_fused_optimiser_step():
+    """A fused AdamW step changes z without bumping its version: on the CPU z is read at every call, and
+    after_step (which the harness's training calls after each step) forgets a kept value anywhere."""
+    attn = build([3.0])
+    q, k, v = qkv(1, 1, 100, 8)
+    attn(q, k, v)
+    opt = torch.optim.AdamW([attn.z], lr=5.0, fused=True)
+    attn.z.grad = torch.tensor([-1.0])
+    opt.step()
+    assert attn.reach() == math.ceil(float(attn.z.detach().max())) + R - 1 > 3 + R - 1
+    torch.testing.assert_close(attn(q, k, v), attn.reference(q, k, v))
+    attn.reach_kept_on = ("cpu",)
+    attn.reach()
+    opt.step()
+    attn.after_step()
+    assert attn.reach() == math.ceil(float(attn.z.detach().max())) + R - 1
 
 
 @pytest.mark.parametrize("options,expect", [

@@ -236,6 +236,33 @@ def test_a_head_shard_computes_what_its_heads_compute_in_a_call_on_every_head(na
         attn(q[:, :5], k[:, :5], v[:, :5])
 
 
+@pytest.mark.parametrize("name, options", [(n, o) for n, o in ULYSSES_CASES if n == "ulysses"])
+def test_ulysses_reports_its_inner_variants_facts(name, options):
+    """Work, layout and fidelity's reference are the inner variant's (linear's projections and reformer's
+    hashing in the FLOPs, the sparse layout's density, reformer's shared-QK counterpart); fidelity at
+    world_size 1 (the sequence_parallel preset's first point) runs as on the inner variant alone."""
+    from harness.quality.fidelity import fidelity
+
+    attn = variants.build(name, world_size=1, **options)
+    inner = attn.wrapped
+    assert attn.flops(2, 6, 64, 8, causal=False) == inner.flops(2, 6, 64, 8, causal=False)
+    assert attn.block_density(64) == inner.block_density(64)
+    assert type(attn.exact_counterpart()) is type(inner.exact_counterpart())
+    q, k, v = qkv(1, 6, N, 8, seed=5)
+    ours, alone = fidelity(attn, q, k, v), fidelity(inner, q, k, v)
+    assert ours == alone and ours["out_rel_err"] is not None, (ours, alone)
+
+
+def test_ulysses_task_identity_keeps_the_inner_variants_span_penalty():
+    from harness.quality import task_options
+
+    from .test_harness import compose_cfg
+
+    s = settings_from_config(compose_cfg("task=mqar", "variant=ulysses"))
+    assert "span_penalty" in dict(task_options(s, variants.build("ulysses", inner="adaptive_span"), 64))
+    assert "span_penalty" not in dict(task_options(s, variants.build("ulysses", inner="full"), 64))
+
+
 def ulysses_indivisible(rank, P):
     q, k, v = (shard(t.detach(), rank, P, "contiguous") for t in qkv(1, P + 1, 20, 4))
     with pytest.raises(VariantError, match=f"ulysses: num_heads H={P + 1} is not divisible by the {P} ranks"):
@@ -282,6 +309,7 @@ def test_harness_spawns_the_ranks_and_a_failing_rank_is_an_error_row(tmp_path):
     # its own shard and of the other's.
     assert ok["bytes_sent_per_rank"] == [128 * (3 * 37 + 38), 128 * (3 * 38 + 37)]
     assert ok["fwd_ms"] > 0 and ok["fwd_bwd_ms"] > 0
+    assert ok["out_rel_err"] is None and "not measured over world_size=2 ranks" in ok["quality_reason"]
     assert took < 90, took  # bounded by the 3 s timeout, not a hang
 
 

@@ -127,6 +127,7 @@ class AdaptiveSpan(Attention):
     Options = AdaptiveSpanOptions
     # flex: FlexAttention with the log-mask as score_mod (GPU: FlexAttention has no CPU backward).
     backends = {"band": False, "dense": False, "flex": True}
+    reach_kept_on = ("cuda",)  # devices where reach() keeps its value until z changes (reading z syncs)
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
@@ -167,6 +168,7 @@ class AdaptiveSpan(Attention):
         """Keeps the parameter itself in [0, S] (the paper clamps after every optimiser step, so that a
         span pushed past either end can come back)."""
         self.z.clamp_(0, self.options.max_span)
+        self._reach = None  # z may have changed unseen by its version (a fused optimiser's step)
 
     def training_metrics(self) -> dict[str, list[float]]:
         return {"span": self.spans().detach().tolist()}
@@ -174,12 +176,14 @@ class AdaptiveSpan(Attention):
     def reach(self) -> int:
         """Largest distance with m > 0 for some head: ⌈max z⌉ + R − 1 (m(x) > 0 ⇔ x < z + R).
 
-        Reading z on the host waits for the device, so the value is kept until z changes: its storage
-        (``.to``, a new parameter) or its version (every in-place update: optimiser steps, ``after_step``'s
-        clamp, ``copy_``; an update through ``z.data`` is not seen). Without this every call on a GPU
-        would wait for the work queued before it."""
+        On a GPU, reading z on the host waits for the device, so the value is kept until z changes: its
+        storage (``.to``, a new parameter) or its version (every in-place update: optimiser steps,
+        ``after_step``'s clamp, ``copy_``). Without this every call would wait for the work queued before
+        it. An update the version does not see (through ``z.data``, or a fused optimiser's step, which
+        the harness's training follows with ``after_step``) needs ``after_step`` before the next call.
+        On the CPU reading z costs nothing: it is read on every call (``reach_kept_on``)."""
         key = (self.z.data_ptr(), self.z.device, self.z._version)
-        if self._reach is None or self._reach[0] != key:
+        if self._reach is None or self._reach[0] != key or self.z.device.type not in self.reach_kept_on:
             self._reach = key, math.ceil(float(self.spans().detach().max())) + self.options.ramp - 1
         return self._reach[1]
 

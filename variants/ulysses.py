@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-from .base import require
+from .base import Flops, require
+from .masks import Predicate
 from .seqpar import SequenceParallel
 
 
@@ -43,7 +44,9 @@ class Ulysses(SequenceParallel):
                 "ulysses: give the inner variant's backend as variant.backend, not in inner_options")
         return {**inner_options, "backend": self.options.backend}
 
-    # The inner variant's facts: the same function, backends and support.
+    # The inner variant's facts: the same function, backends, support, work and fidelity reference. Not its
+    # training hooks (regulariser, param_groups, ...): a model's layers are found by model.modules(),
+    # which reaches the inner variant itself.
     def backend_names(self) -> list[str]:
         return self.wrapped.backend_names()
 
@@ -73,6 +76,19 @@ class Ulysses(SequenceParallel):
 
     def executed_pairs(self, seq_len: int, causal: bool = False, device: torch.device | str | None = None) -> int:
         return self.wrapped.executed_pairs(seq_len, causal, device)
+
+    def flops(self, B: int, H: int, N: int, D: int, causal: bool = False,
+              device: torch.device | str | None = None) -> Flops:
+        return self.wrapped.flops(B, H, N, D, causal, device)  # linear's projections, reformer's hashing
+
+    def block_density(self, seq_len: int, causal: bool = False) -> float | None:
+        return self.wrapped.block_density(seq_len, causal)
+
+    def element_predicate(self, seq_len: int, causal: bool) -> Predicate | None:
+        return self.wrapped.element_predicate(seq_len, causal)  # fidelity's mass_kept
+
+    def exact_counterpart(self, block_size: int = 256) -> nn.Module:
+        return self.wrapped.exact_counterpart(block_size)  # reformer's: full attention on its k̂
 
     def check_workload(self, num_heads: int) -> None:
         P = self.options.world_size

@@ -41,7 +41,7 @@ def task_options(settings: Settings, attn: variants.Attention, seq_len: int) -> 
     values = dataclasses.asdict(task_config(settings, seq_len))
     values["seq_len"] = settings.task.get("seq_len")
     del values["eval_every"]
-    if attn.regulariser() is None:
+    if all(a.regulariser() is None for a in attn.modules() if isinstance(a, variants.Attention)):  # ulysses: its inner
         del values["span_penalty"]
     return tuple(sorted(values.items()))
 
@@ -57,6 +57,9 @@ def quality(attn: variants.Attention, s: Settings, seq_len: int, device: torch.d
         else:
             on_phase("fidelity")
             reasons.append(guarded("fidelity", device, lambda: rec.update(point_fidelity(attn, s, seq_len, device))))
+    elif attn.world_size > 1:  # harness.distributed.Team turns it off
+        reasons.append(f"fidelity: not measured over world_size={attn.world_size} ranks (its float64 reference "
+                       f"needs the whole sequence in one process; the tests check {attn.name} against it)")
     if s.task is not None:
         on_phase("task")
         cfg = task_config(s, seq_len)
