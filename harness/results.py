@@ -51,7 +51,7 @@ class Result:
     # The point
     variant: str
     backend: str
-    backend_ran: str | None  # the kernel that actually ran, where the backend chooses (full's auto)
+    backend_ran: str | None  # the kernel that actually ran, where the backend chooses (full's sdpa and auto)
     seq_len: int
     batch_size: int
     tokens_per_batch: int | None  # set when B was tokens_per_batch // N (FA-2's shape: fixed tokens per batch)

@@ -286,6 +286,46 @@ def test_sdpa_math_on_cpu_matches_reference(dtype, causal):
     assert attn.last_backend == "sdpa_math"
 
 
+def _sdpa_kernel_seen(attn, q, k, v, causal):
+    """backend_ran after a forward+backward of unpinned sdpa, and the kernel ops the profiler saw run."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ran = {}
+    for only in (None, SDPBackend.MATH):
+        with torch.profiler.profile() as prof, sdpa_kernel([only]) if only else nullcontext():
+            attn(q, k, v, causal=causal).sum().backward()
+        if q.is_cuda:
+            torch.cuda.synchronize()
+        ops = {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product_") or
+               e.name.startswith("aten::_efficient_attention") or e.name.startswith("aten::_flash_attention")}
+        ran[only] = attn.backend_ran, ops
+    return ran
+
+
+OPS_OF = {"sdpa_flash": "flash", "sdpa_efficient": "efficient", "sdpa_cudnn": "cudnn", "sdpa_math": "math"}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_unpinned_sdpa_records_the_kernel_that_ran(device):
+    """full's default backend lets SDPA choose: backend_ran names the kernel it chose, as the profiler
+    saw it run (the CPU flash kernel here; on an H100 in fp16 a fused one), under any sdpa_kernel
+    context (MATH only: sdpa_math)."""
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    attn = variants.build("full")
+    for causal in (False, True):
+        q, k, v = qkv(2, 4, 300, 64, dtype=dtype, device=device, seed=int(causal))
+        ran = _sdpa_kernel_seen(attn, q, k, v, causal)
+        for only, (backend_ran, ops) in ran.items():
+            assert backend_ran in OPS_OF and any(OPS_OF[backend_ran] in op for op in ops), (only, backend_ran, ops)
+            others = [op for op in ops if any(w in op for b, w in OPS_OF.items() if b != backend_ran)]
+            assert not others, (only, backend_ran, ops)
+        assert ran[torch.nn.attention.SDPBackend.MATH][0] == "sdpa_math"
+        if device == "cuda":
+            assert ran[None][0] != "sdpa_math", ran  # a fused kernel on an H100 in fp16
+
+
 # ----- GPU: every GPU backend against the float64 reference -----------------------------------------
 GPU_CASES = [
     ("full", {}),

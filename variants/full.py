@@ -34,7 +34,8 @@ class FullOptions:
 class Full(Attention):
     name = "full"
     Options = FullOptions
-    # sdpa (the default): PyTorch's fused kernel, whichever one it picks on this device. math: the
+    # sdpa (the default): PyTorch's fused kernel, whichever one it picks on this device (``last_backend``
+    # names it, as the pinned backend of that kernel). math: the
     # seeds' explicit formula, materialising the N×N scores (the readable reference).
     # sdpa_<kernel>: SDPA pinned to one kernel (sdpa_math also runs on CPU). xformers:
     # memory_efficient_attention. auto: times the pinned kernels once per (shape, dtype, causal, grad)
@@ -46,6 +47,7 @@ class Full(Attention):
         super().__init__(**options)
         self.auto_choices: dict[tuple, str] = {}  # (shape, dtype, causal, device, grad) -> backend
         self.auto_timings: dict[tuple, dict[str, float | str]] = {}  # same key -> ms per candidate or error
+        self.sdpa_choices: dict[tuple, str] = {}  # input signature -> the kernel unpinned sdpa runs
 
     @property
     def is_exact(self) -> bool:
@@ -58,8 +60,9 @@ class Full(Attention):
         return causal_pairs(seq_len, causal)
 
     def executed_pairs(self, seq_len: int, causal: bool = False, device: torch.device | str | None = None) -> int:
-        # The math path computes every score and masks; fused kernels skip future blocks.
-        return seq_len * seq_len if self.backend in ("math", "sdpa_math") else self.allowed_pairs(seq_len, causal)
+        # The math path computes every score and masks; fused kernels skip future blocks. backend_ran: the
+        # kernel sdpa or auto chose in the last call (the measured one, where the harness asks after it).
+        return seq_len * seq_len if self.backend_ran in ("math", "sdpa_math") else self.allowed_pairs(seq_len, causal)
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
         if self.backend in ("math", "sdpa_math"):
@@ -77,9 +80,25 @@ class Full(Attention):
 
             return xf.attention(q, k, v, xf.causal_bias(causal), self.scale(q.shape[-1]))
         if backend == "sdpa":  # SDPA's is_causal on N×N is the causal rule j ≤ i (masks.causal_allowed)
+            self.last_backend = self._sdpa_choice(q, k, v, causal)
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         mask = causal_mask(q.shape[-2], q.device) if causal else None
         return dense_attention(q, k, v, mask, self.scale(q.shape[-1]))
+
+    def _sdpa_choice(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> str:
+        """The kernel unpinned SDPA runs for these inputs, by its own rule (``torch._fused_sdp_choice``,
+        under the sdpa_kernel context in force), as its pinned name: sdpa_flash on an H100 in fp16, the CPU
+        flash kernel here. Asked once per signature; "sdpa" where torch does not say."""
+        enabled = tuple(f() for f in (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
+                                      torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.math_sdp_enabled))
+        key = (tuple(q.shape), tuple(q.stride()), q.dtype, str(q.device), causal, q.requires_grad, enabled)
+        if key not in self.sdpa_choices:
+            try:
+                kernel = SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, causal))
+                self.sdpa_choices[key] = next(n for n, b in SDPA_KERNELS.items() if b == kernel)
+            except (AttributeError, TypeError, ValueError, RuntimeError, StopIteration):
+                self.sdpa_choices[key] = "sdpa"
+        return self.sdpa_choices[key]
 
     def _pinned_sdpa(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
         try:
