@@ -5,6 +5,8 @@
 # sweep=PRESET ...`), one job per grid point in SWEEP_DIR/<the job's overrides>/.
 #   SWEEP_DIR: hydra.sweep.dir=DIR when given (rerunning into the same DIR with the same overrides
 #              resumes: measured points are skipped), else multirun/PRESET/<UTC time>/ under the repo.
+# Without this script, `python -m harness sweep=PRESET ...` runs the same sweep (no -m needed: the preset
+# sets multirun mode) into Hydra's default multirun/DATE/TIME/ under the current directory.
 # The exit status is the harness's: 1 when it ran but some job did not complete (refused or failed,
 # e.g. linear in a causal sweep; the others still ran and their results stand). Prints the sweep dir before and after, and the report command.
 #
@@ -73,9 +75,10 @@ fi
 
 echo "sweep $PRESET -> $SWEEP_DIR"
 rc=0
-# The repo on PYTHONPATH: works without `pip install -e .` too. --multirun: the preset sets
-# hydra.mode=MULTIRUN, but Hydra refuses a comma sweep on the command line (variant=full,linear)
-# unless the flag is given.
+# The repo on PYTHONPATH: works without `pip install -e .` too. --multirun: every preset sets
+# hydra.mode=MULTIRUN itself, so a comma sweep (variant=full,linear) runs with or without the flag;
+# it is given so that the run is a multirun whatever the preset says. (Without a preset, a comma sweep
+# needs -m: `python -m harness variant=full,linear` alone fails with Hydra's "Ambiguous value".)
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
     "$PYTHON" -m harness --multirun "sweep=$PRESET" ${args[@]+"${args[@]}"} "hydra.sweep.dir=$SWEEP_ARG" || rc=$?
 
