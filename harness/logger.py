@@ -6,6 +6,9 @@ offline run instead (the local results are written as always). The run is a cont
 that raises is closed as failed and the next job in the same process gets a run of its own. One
 output directory is one wandb run: a rerun into it resumes the same run (its id is kept in
 ``wandb/harness-run.json``) and logs only the points it measures; synced, each point is uploaded once.
+A rerun with ``resume=false`` replaces the directory's results and starts a new wandb run (the store
+moves ``harness-run.json`` aside with results.jsonl), so the replaced points are not charted beside
+the new ones.
 """
 
 from __future__ import annotations
@@ -171,12 +174,16 @@ def _cell(v: Any) -> Any:
     return v if v is None or isinstance(v, (int, float, str, bool)) else str(v)
 
 
+RUN_STATE = Path("wandb", "harness-run.json")  # in the output directory
+
+
 class RunState:
     """``<output dir>/wandb/harness-run.json``: the directory's wandb run id and the next step, so every
-    run into the directory resumes one wandb run (a sync uploads each point once)."""
+    run into the directory resumes one wandb run (a sync uploads each point once). A run with
+    ``resume=false`` starts a new wandb run: its ResultStore moves this file aside with the rows."""
 
     def __init__(self, directory: Path) -> None:
-        self.path = Path(directory) / "wandb" / "harness-run.json"
+        self.path = Path(directory) / RUN_STATE
         try:
             saved = json.loads(self.path.read_text())
         except (OSError, ValueError):

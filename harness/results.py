@@ -14,6 +14,8 @@ What the store guarantees (the README's "Reliability" section lists the faults t
   kill, joined with the next, garbage, a row without ``status`` or with a string ``seq_len``) is moved
   verbatim to ``results.jsonl.damaged-<time>`` with one warning naming its line numbers, and its point
   is measured again; a whole row found inside a damaged line (a cut line joined to the next) is kept.
+- ``resume=false`` moves results.jsonl aside (``results.jsonl.replaced-<time>``, with ``-2``, ``-3``...
+  where a move in the same second took that name), never deleting it and never renaming over a file.
 - One writer per output directory: an exclusive lock (``harness.lock``) held for the whole run; a second
   run refuses in one line naming the holder; a lock left by a process that is gone is taken over.
 - Every other file (``results.csv``, ``status.json``, ``env.json``, ``fit.json``) is written whole or not
@@ -39,6 +41,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 
 import numpy as np
+
+from .logger import RUN_STATE
 
 STATUSES = ("ok", "oom", "skipped", "error", "nonfinite")
 JOB_STATES = ("running", "completed", "failed", "refused", "interrupted")
@@ -384,26 +388,49 @@ def _row_inside(line: str, check: Callable[[Any], str | None]) -> dict[str, Any]
     return None
 
 
+def read_text(path: str | Path) -> str:
+    """A results file's text; bytes that are not UTF-8 kept as they are (errors="surrogateescape"), so one
+    bad line is flagged by its reader (``UNDECODABLE``: "not UTF-8") instead of refusing the whole file."""
+    return Path(path).read_text(errors="surrogateescape")
+
+
 def read_jsonl(path: str | Path, check: Callable[[Any], str | None] | None = None) -> list[dict[str, Any]]:
     """The valid rows of a results.jsonl in file order (damaged lines left out: ``parse_jsonl`` says which);
     ``check`` for another kind of row (default: a result row)."""
-    return parse_jsonl(Path(path).read_text(), check).rows
+    return parse_jsonl(read_text(path), check).rows
 
 
-def _parse_cell(text: str) -> Any:
-    """CSV cells are strings: give back None, bools and numbers as the jsonl would have them."""
-    if text in ("", "None", "null"):
+_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")  # a JSON number: never "nan", "1_0"
+
+
+def _parse_cell(name: str, text: str | None) -> Any:
+    """A CSV cell (a string) as the jsonl would have it, by its field's type in the Result schema: a text
+    field stays text (a hostname "1234", a reason "nan", a code_version of twelve digits); a number, bool or
+    list field is parsed as one (an integral float such as "1024.0" in an int field: an int). A cell that
+    does not parse as its field's type stays text, so ``row_problem`` names it. Fields outside the schema
+    (options, task settings, gpu_clocks): JSON numbers, bools and lists as such, anything else text.
+    An empty cell is null."""
+    if text is None or text == "":
         return None
-    if text in ("True", "true"):
-        return True
-    if text in ("False", "false"):
-        return False
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    if text[:1] in "[{":  # lists/dicts written as JSON
+    types = SCHEMA[name][0] if name in SCHEMA else None
+    if types == (str,):
+        return text
+    if text in ("None", "null"):
+        return None
+    if text in ("True", "true", "False", "false"):
+        return text in ("True", "true") if types is None or bool in types else text
+    if types is None:  # what the field holds is not known: JSON's own literals only
+        if _NUMBER.fullmatch(text):
+            return json.loads(text)
+    elif float in types or int in types:
+        for cast in (int, float):
+            try:
+                value = cast(text)
+            except ValueError:
+                continue
+            integral = isinstance(value, float) and float not in types and value.is_integer()
+            return int(value) if integral else value
+    if text[:1] in "[{" and (types is None or list in types):  # lists/dicts written as JSON
         try:
             return json.loads(text)
         except json.JSONDecodeError:
@@ -411,9 +438,29 @@ def _parse_cell(text: str) -> Any:
     return text
 
 
+def parse_csv(text: str) -> Contents:
+    """A results.csv checked as ``parse_jsonl`` checks a results.jsonl: each row's cells by their field's
+    type (``_parse_cell``); a row that is not a result row (``row_problem``) or holds bytes that are not
+    UTF-8 is a damaged line, left out and named."""
+    rows, damaged = [], []
+    lines = text.split("\n")
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    end = 1  # the header
+    for raw in reader:
+        start, end = end + 1, reader.line_num
+        row = {k: _parse_cell(k, v) for k, v in raw.items() if k is not None}
+        verbatim = "\n".join(lines[start - 1:end]).rstrip("\r")
+        problem = "not UTF-8" if UNDECODABLE.search(verbatim) else row_problem(row)
+        if problem is None:
+            rows.append(row)
+        else:
+            damaged.append(Damaged(end, verbatim, problem))
+    return Contents(rows, damaged, [])
+
+
 def read_csv(path: Path) -> list[dict[str, Any]]:
-    with path.open(newline="") as f:
-        return [{k: _parse_cell(v) for k, v in row.items() if k is not None} for row in csv.DictReader(f)]
+    """The valid rows of a results.csv (damaged ones left out: ``parse_csv`` says which)."""
+    return parse_csv(read_text(path)).rows
 
 
 def _natural(path: Path) -> list[Any]:
@@ -421,8 +468,21 @@ def _natural(path: Path) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
 
 
+REPORT_DIR = "report"  # harness.report's output folder, by default, inside the directory it reads
+
+
+def report_output(file: Path, root: Path) -> bool:
+    """Whether ``file``, found under ``root``, is harness.report's own output, never its input: inside a
+    folder named ``report`` below ``root`` (its default ``--out``) or beside a report.html (another
+    ``--out``). A report folder given as ``root`` itself is read."""
+    parent = Path(file).parent
+    return parent != Path(root) and (REPORT_DIR in parent.relative_to(root).parts
+                                     or (parent / "report.html").exists())
+
+
 def result_files(path: str | Path) -> list[Path]:
-    """A results file, or every results.jsonl under a directory (results.csv where there is none)."""
+    """A results file, or every results.jsonl under a directory (results.csv where there is none), the
+    report's own output left out (``report_output``)."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
@@ -430,18 +490,17 @@ def result_files(path: str | Path) -> list[Path]:
         if path.suffix not in (".jsonl", ".csv"):
             raise InputError(f"{path}: expected a results .jsonl or .csv file or a directory")
         return [path]
-    files = sorted(path.rglob("results.jsonl"), key=_natural)
-    if not files:
-        files = sorted(path.rglob("results.csv"), key=_natural)
-    if not files:
-        raise InputError(f"{path}: no results.jsonl or results.csv found under it")
-    return files
+    for name in ("results.jsonl", "results.csv"):
+        files = sorted((f for f in path.rglob(name) if not report_output(f, path)), key=_natural)
+        if files:
+            return files
+    raise InputError(f"{path}: no results.jsonl or results.csv found under it")
 
 
 def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
     """One row per point under ``path`` (a point measured more than once: its last row, and one notice
-    saying so), for the report and compare tools. Damaged lines are left out with one notice per file;
-    nothing is modified. Raises InputError."""
+    saying so), for the report and compare tools. Damaged lines (or CSV rows) are left out with one notice
+    per file naming them and why; nothing is modified. Raises InputError."""
     warn = warn or _stderr
     rows: list[dict[str, Any]] = []
     notices: list[str] = []
@@ -449,15 +508,12 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
     machines_of: dict[tuple, set[tuple]] = {}  # point -> the machines its timed rows were measured on
     for file in result_files(path):
         try:
-            if file.suffix == ".jsonl":
-                contents = parse_jsonl(file.read_text())
-                if contents.warning(file):
-                    notices.append(f"{contents.warning(file)}: left out")
-                found = contents.rows
-            else:
-                found = [r for r in read_csv(file) if row_problem(r) is None]
-        except (OSError, UnicodeDecodeError, csv.Error) as err:
+            contents = (parse_jsonl if file.suffix == ".jsonl" else parse_csv)(read_text(file))
+        except (OSError, csv.Error) as err:
             raise InputError(f"{file}: cannot read ({type(err).__name__}: {err})") from None
+        if contents.damaged:
+            notices.append(f"{contents.warning(file)}: {len(contents.damaged)} line(s) left out")
+        found = contents.rows
         for row in found:
             key = point_key(row)
             files_of.setdefault(key, [])
@@ -654,6 +710,33 @@ def _stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime())
 
 
+def move_aside(paths: Iterable[Path], kind: str) -> list[Path]:
+    """Moves each of ``paths`` that exists to ``<name>.<kind>-<time>`` beside it, never over a file: where
+    one of those names is taken (a move in the same second: jobs of a multirun into one directory), the
+    first free ``<name>.<kind>-<time>-2``, ``-3``, ... instead, one suffix for all of them (fit.json keeps
+    its results.jsonl's). Each new name is created exclusively (O_EXCL) before the file is renamed onto it,
+    so a file already there is never replaced. Returns the new paths."""
+    paths = [Path(p) for p in paths if Path(p).exists()]
+    stamp, n = _stamp(), 1
+    while paths:
+        targets = [p.with_name(f"{p.name}.{kind}-{stamp}{f'-{n}' if n > 1 else ''}") for p in paths]
+        made: list[Path] = []
+        try:
+            for target in targets:
+                os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+                made.append(target)
+            for path, target in zip(paths, targets):
+                os.replace(path, target)
+                made.remove(target)
+            return targets
+        except FileExistsError:
+            n += 1
+        finally:
+            for target in made:  # a name taken for nothing (taken by another, or a rename that failed)
+                target.unlink(missing_ok=True)
+    return []
+
+
 @dataclass(frozen=True)
 class Sweep:
     """What a run measured: its points (kept from earlier runs and new), the fitted exponents, where."""
@@ -677,8 +760,10 @@ class ResultStore:
 
     ``resume=True`` keeps the valid rows of ``results.jsonl`` (``rows``, in file order) and appends;
     damaged lines are moved verbatim to ``results.jsonl.damaged-<time>`` first (one warning). ``resume=
-    False`` moves an existing file aside (``results.jsonl.replaced-<time>``, and its ``fit.json`` with it).
-    Nothing is ever deleted.
+    False`` moves an existing file aside (``results.jsonl.replaced-<time>``, ``-<time>-2``... where that
+    name is taken: ``move_aside``), and with it its ``fit.json`` and the directory's wandb run state
+    (``wandb/harness-run.json``), so the new rows go to a new wandb run, not beside the ones they replace.
+    Nothing is ever deleted or overwritten.
     ``results.csv`` is the view: one row per point (the latest), rewritten whole when the store opens
     (a run interrupted between its jsonl line and the rewrite left it short) and after each point.
     Raises LockedError when another run holds the directory (another job of the same ``sweep`` is waited
@@ -696,14 +781,11 @@ class ResultStore:
             if self.lock.taken_over:
                 self.warn(f"took over {self.lock.path}, left by a run that is gone "
                           f"({describe_holder(self.lock.taken_over)})")
-            if self.jsonl.exists():
-                if resume:
+            if resume:
+                if self.jsonl.exists():
                     self._load()
-                else:  # fit.json goes with the rows it fits
-                    stamp = _stamp()
-                    for path in (self.jsonl, self.output_dir / "fit.json"):
-                        if path.exists():
-                            path.rename(path.with_name(f"{path.name}.replaced-{stamp}"))
+            else:  # with the rows, the fit of them and the wandb run they were logged to: a new run
+                move_aside([self.jsonl, self.output_dir / "fit.json", self.output_dir / RUN_STATE], "replaced")
             open(self.jsonl, "a").close()  # writable, or OSError now, before anything is measured
             if self.rows or self.csv.exists():
                 write_csv(self.csv, latest(self.rows))
@@ -712,7 +794,7 @@ class ResultStore:
             raise
 
     def _load(self) -> None:
-        text = self.jsonl.read_text(errors="surrogateescape")  # bytes not UTF-8 kept as they are
+        text = read_text(self.jsonl)  # bytes not UTF-8 kept as they are
         contents = parse_jsonl(text)
         self.rows = contents.rows
         if contents.damaged:

@@ -101,6 +101,35 @@ def test_extending_a_run_with_wandb_on_logs_each_point_once_in_one_run(tmp_path)
     assert steps == sorted(steps) and len(set(steps)) == len(steps), steps  # one increasing history
 
 
+def test_resume_false_with_wandb_on_starts_a_new_wandb_run(tmp_path):
+    """resume=false replaces the directory's results: its wandb run is replaced too (a new run, its state
+    moved aside with results.jsonl), so the superseded measurement is never charted beside the new one."""
+    out = tmp_path / "D"
+    for extra in ((), ("resume=false",)):
+        proc = cli("seq_lens=[32]", *extra, "logger.mode=offline", f"hydra.run.dir={out}", wandb=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2
+    summaries = []
+    for run_dir in runs:
+        proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json",
+                               str(run_dir)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        summaries.append(json.loads(proc.stdout))
+    ids = [s["run_id"] for s in summaries]
+    assert ids[0] != ids[1], f"resume=false logged into the replaced run {ids[0]}"
+    (old,) = out.glob("results.jsonl.replaced-*")
+    (old_state,) = (out / "wandb").glob(f"harness-run.json.{old.name.split('.')[-1]}")  # moved with the rows
+    assert [json.loads(p.read_text())["id"] for p in (old_state, out / "wandb" / "harness-run.json")] == ids
+    for summary, rows in zip(summaries, (read_jsonl(old), read_jsonl(out / "results.jsonl"))):
+        (point,) = rows  # each run charts its own measurement only, from step 0
+        assert summary["state"] == "finished" and summary["summary"]["fwd_ms"] == point["fwd_ms"]
+        assert summary["summary"]["points"]["nrows"] == 1 and summary["step"] == 1, summary["summary"]
+    for run_dir in runs:  # one point in each run's history
+        items = [r["history"]["item"] for r in wandb_records(run_dir) if r.get("history", {}).get("item")]
+        assert [i["seq_len"] for i in items if "fwd_ms" in i] == [32], items
+
+
 # ----- 2: two writers on one directory ---------------------------------------------------------------
 
 def test_a_second_run_on_a_busy_directory_is_refused_naming_the_holder(tmp_path):

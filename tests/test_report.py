@@ -142,6 +142,62 @@ def test_a_point_in_two_files_is_said_apart_from_one_measured_again(tmp_path):
     assert "1 row(s) are earlier measurements of a point measured again" in said[2]
 
 
+def write_csv_sweep(root: Path, rows: list[dict]) -> Path:
+    """A directory with only a results.csv, as the harness writes it (results.write_csv)."""
+    from harness.results import write_csv
+
+    root.mkdir(parents=True, exist_ok=True)
+    write_csv(root / "results.csv", rows)
+    return root
+
+
+def test_csv_text_fields_stay_text_and_a_row_left_out_is_said(tmp_path):
+    """CSV cells are read by their field's type: a hostname, reason or code_version that looks like a number
+    stays text (it was made a number, failed the schema and its row vanished without a word). A row that is
+    not valid is left out with one line naming the file, how many and why."""
+    rows = [row("full", "sdpa", 64, fwd=1.0, hostname="1234", code_version="123456789012"),
+            row("full", "sdpa", 128, "error", reason="nan", hostname="1234", code_version="123456789012"),
+            row("full", "sdpa", 256, fwd=2.0, seq_len="abc"),
+            row("full", "sdpa", 512, fwd=2.0, batch_size="1.5")]
+    write_csv_sweep(tmp_path, rows)
+    said = []
+    got = load_rows(tmp_path, warn=said.append)
+    assert [r["seq_len"] for r in got] == [64, 128]
+    assert [(r["hostname"], r["code_version"]) for r in got] == [("1234", "123456789012")] * 2
+    assert got[1]["reason"] == "nan" and got[0]["fwd_ms"] == 1.0 and got[0]["causal"] is False
+    assert {k: v for k, v in got[0].items() if v is not None} == {k: v for k, v in rows[0].items() if v is not None}
+    assert len(said) == 1, said
+    assert str(tmp_path / "results.csv") in said[0] and "2 line(s) left out" in said[0]
+    assert "4 (seq_len='abc' is not int)" in said[0] and "5 (batch_size=1.5 is not int)" in said[0], said
+
+
+def test_a_line_that_is_not_utf8_is_left_out_and_the_rest_reported(tmp_path):
+    """One line of bytes that are not UTF-8 (a disk error, a bad copy) costs that line, said, not the sweep."""
+    write_sweep(tmp_path, [[row("full", "sdpa", 64, fwd=1.0), row("full", "sdpa", 128, fwd=4.0)]])
+    good = (tmp_path / "0" / "results.jsonl").read_bytes()
+    (tmp_path / "0" / "results.jsonl").write_bytes(good + b'{"variant": "full\xff\xfe", "seq_len": 40}\n')
+    said = []
+    assert [r["seq_len"] for r in load_rows(tmp_path, warn=said.append)] == [64, 128]
+    assert said == [f"{tmp_path / '0' / 'results.jsonl'}: damaged line(s) 3 (not UTF-8): 1 line(s) left out"]
+    res = cli("harness.report", tmp_path)
+    assert res.returncode == 0 and "2 points" in res.stdout, res.stderr
+    assert "not UTF-8" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_the_report_never_reads_its_own_output(tmp_path, capsys):
+    """In a directory with only a results.csv, the report's own report/results.csv is not a second input:
+    a second report reads the same points, with no word of a point in two results files."""
+    write_csv_sweep(tmp_path, [row("full", "sdpa", n, fwd=1e-6 * n * n, mem=n) for n in (64, 128)])
+    other = tmp_path / "elsewhere"  # --out anywhere else inside the directory: a report.html says what it is
+    for _ in range(2):
+        assert report.main([str(tmp_path)]) == 0
+        assert report.main([str(tmp_path), "--out", str(other)]) == 0
+    err = capsys.readouterr().err
+    assert "more than one results file" not in err and "earlier measurements" not in err, err
+    assert len(load_rows(tmp_path)) == 2
+    assert len(load_rows(tmp_path / "report")) == 2  # a report's folder given itself is read
+
+
 def test_crossover_and_max_fitting_on_constructed_case():
     def rows_of(times, status=None):
         status = status or {}

@@ -100,6 +100,30 @@ def test_rerunning_a_finished_run_measures_nothing_and_resume_false_keeps_the_ol
     assert [r["seq_len"] for r in read_csv(tmp_path / "results.csv")] == [40]
 
 
+def test_resume_false_runs_within_one_second_keep_every_replaced_row(tmp_path, monkeypatch):
+    """Jobs of a multirun into one directory with resume=false each move the last one's results aside, often
+    within the same second: the aside names must never collide (one was renamed over the other: its rows
+    were lost). Each replaced results.jsonl keeps its own fit.json beside it, under the same suffix."""
+    from harness import results
+    from harness.results import Result
+
+    monkeypatch.setattr(results, "_stamp", lambda: "20260101T000000")  # every move in the same second
+    (tmp_path / "results.jsonl.replaced-20260101T000000-3").write_text("someone else's file\n")
+    for n in (32, 40, 48, 56, 64):
+        with ResultStore(tmp_path, resume=False) as store:
+            store.add(Result.from_record(dict(variant="full", backend="sdpa", seq_len=n, batch_size=1, num_heads=1,
+                                              head_dim=8, dtype="float32", device="cpu", causal=False, seed=0,
+                                              status="ok")))
+            (tmp_path / "fit.json").write_text(f"{n}\n")
+    assert [r["seq_len"] for r in read_jsonl(tmp_path / "results.jsonl")] == [64]
+    stem = "results.jsonl.replaced-20260101T000000"
+    assert (tmp_path / f"{stem}-3").read_text() == "someone else's file\n", "a file there is never replaced"
+    asides = {p.name[len(stem):]: [r["seq_len"] for r in read_jsonl(p)] for p in tmp_path.glob(f"{stem}*")}
+    assert asides == {"": [32], "-2": [40], "-3": [], "-4": [48], "-5": [56]}, asides
+    fits = {p.name[len("fit.json.replaced-20260101T000000"):]: p.read_text() for p in tmp_path.glob("fit.json.*")}
+    assert fits == {"": "32\n", "-2": "40\n", "-4": "48\n", "-5": "56\n"}, fits
+
+
 def test_results_csv_left_short_by_an_interrupt_is_made_whole_when_the_store_opens(tmp_path):
     """A run stopped between its results.jsonl line and the results.csv rewrite: the next run's store
     shows every stored point in the CSV before it measures anything."""

@@ -2,10 +2,11 @@
 
     python -m harness.report SWEEP_DIR [--out DIR] [--wandb]
 
-Collects every results.jsonl under SWEEP_DIR (duplicates of a point: the last wins) and writes to
-``--out`` (default SWEEP_DIR/report): results.csv, one PNG per plot, report.html (PNGs embedded, so it
-opens anywhere). With ``--wandb`` the plots and tables also go to a wandb run in group = the sweep dir's
-name (mode: WANDB_MODE, else online with credentials, offline without).
+Collects every results.jsonl under SWEEP_DIR (duplicates of a point: the last wins; a report's own
+output is never read as input) and writes to ``--out`` (default SWEEP_DIR/report): results.csv, one
+PNG per plot, report.html (PNGs embedded, so it opens anywhere). With ``--wandb`` the plots and tables
+also go to a wandb run in group = the sweep dir's name (mode: WANDB_MODE, else online with credentials,
+offline without).
 
 Comparisons with full: within one (causal, dtype, device, shape) group, each non-full series against
 the *best* full backend at each N (fastest for time, smallest for memory), so a variant is credited
@@ -27,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..results import atomic_write, from_timings, loglog_slope, write_csv
+from ..results import REPORT_DIR, atomic_write, from_timings, loglog_slope, write_csv
 from .collect import (FULL, STATUSES, InputError, Series, columns, environment_fields, group_series, load_rows,
                       ok_value, series_labels)
 
@@ -519,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.sweep_dir.is_dir():
         print(f"report: error: {args.sweep_dir}: not a directory", file=sys.stderr)
         return 2
-    out = args.out or args.sweep_dir / "report"
+    out = args.out or args.sweep_dir / REPORT_DIR
     try:
         rows, tables, images = make_report(args.sweep_dir, out)
     except (InputError, OSError) as err:  # OSError: e.g. --out is a file or not writable
