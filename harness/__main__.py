@@ -8,12 +8,17 @@ allowed values, exit code 2, and nothing written. Ctrl-C and SIGTERM end a run a
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
+
+# What the signal handlers use, imported before they are installed: a handler imports nothing (it may run
+# inside torch's import, which harness.run's would re-enter), and this module imports no torch.
+from harness.signals import PENDING_INTERRUPTS, Terminated, TimeLimit, raise_pending_interrupt
 
 
 # The output directories of the runs this command started: an interrupt outside a run says what they kept.
@@ -57,12 +62,20 @@ def hydra_main(cfg: DictConfig) -> None:
             fail(one_line(e), 1 if isinstance(e, RunFailed) else 2)
         # One job of a sweep that cannot run (linear in a causal sweep) or could not finish: said in one
         # line and in the job's status.json (the sweep's refused-jobs.jsonl when another command's run holds
-        # its directory); the others go on, and the multirun exits 1 (harness/hydra_hooks.py).
+        # its directory, or another job of the sweep wrote there: jobs differing in seq_lens share one);
+        # the others go on, and the multirun exits 1 (harness/hydra_hooks.py).
+        out = Path(hc.runtime.output_dir)
         try:
             if isinstance(e, DirectoryInUse):  # its status.json is the holder's to write
                 record_refused(hc.sweep.dir, hc.job.num, hc.job.override_dirname, one_line(e))
-            elif not isinstance(e, RunFailed):
-                JobStatus(Path(hc.runtime.output_dir), None).finish("refused", one_line(e))
+            elif isinstance(e, RunFailed):
+                pass  # its status.json says failed (harness.run)
+            elif holds_another_job(out, hc.job.num):
+                record_refused(hc.sweep.dir, hc.job.num, hc.job.override_dirname, REFUSED_INPUT + one_line(e))
+            else:
+                status = JobStatus(out, None)
+                status.info["job"] = hc.job.num  # whose refusal it is: a rerun's refusal replaces its own only
+                status.finish("refused", one_line(e))
         except OSError:
             pass
         print(f"error: job {hc.job.num} ({hc.job.override_dirname}): {one_line(e)}", file=sys.stderr)
@@ -75,12 +88,50 @@ def hydra_main(cfg: DictConfig) -> None:
               file=sys.stderr)
 
 
+# How a refused job's line in the sweep's refused-jobs.jsonl starts when its directory holds another job's
+# results or status (not when another command's run holds it): refused for its input, refused again by a rerun.
+REFUSED_INPUT = "refused for its input (its directory holds another job's results): "
+RESUME = "; rerun the same command to resume"  # how harness.hydra_hooks' line for an incomplete multirun ends
+
+
+def holds_another_job(job_dir: Path, num: int) -> bool:
+    """Whether a job directory holds what another job wrote: results, a live run, or a status.json other
+    than this job's own earlier refusal (a rerun's refusal replaces that one)."""
+    from harness.results import DirectoryLock, job_state
+
+    info = job_state(job_dir)
+    return ((job_dir / "results.jsonl").exists() or DirectoryLock.is_held(job_dir) or
+            (info["state"] != "no status" and (info["state"], info.get("job")) != ("refused", num)))
+
+
+def not_complete_line(line: str) -> str:
+    """harness.hydra_hooks' line for a multirun not every job of which completed, whose "rerun the same
+    command to resume" is not so for a job refused for its input: the same command refuses it again."""
+    from harness.hydra_hooks import MULTIRUN, REFUSED, STARTED, job_states
+
+    if not MULTIRUN or not line.endswith(RESUME):
+        return line
+    root = Path(MULTIRUN[-1])
+    states = list(job_states(root, STARTED[-1] if STARTED else None).values())
+    try:
+        listed = [json.loads(x).get("error", "") for x in (root / REFUSED).read_text().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        listed = []
+    refused = states.count("refused") + sum(str(error).startswith(REFUSED_INPUT) for error in listed)
+    if not refused:
+        return line
+    rest = len(states) + len(listed) - states.count("completed") - refused
+    head = line.removesuffix(RESUME)
+    if not rest:
+        return f"{head}; a job refused for its input is refused again by the same command: change that input first"
+    return (f"{head}; rerun the same command to resume the jobs that did not finish (a job refused for its input "
+            f"is refused again until that input changes)")
+
+
 def terminate(signum, frame) -> None:
     """SIGTERM (a scheduler's cancel, ``kill``) or, in a SLURM job, SIGUSR2 (the time limit is near): end
     the run as Ctrl-C does, with its own exit code."""
     import signal
-
-    from harness.run import PENDING_INTERRUPTS, Terminated, TimeLimit
 
     kind = TimeLimit if signum == signal.SIGUSR2 else Terminated
     PENDING_INTERRUPTS.append(kind)  # raised again at the run's next phase, should this one be lost
@@ -89,8 +140,6 @@ def terminate(signum, frame) -> None:
 
 def interrupt(signum, frame) -> None:
     """SIGINT (Ctrl-C): Python's own KeyboardInterrupt, remembered as SIGTERM's is."""
-    from harness.run import PENDING_INTERRUPTS
-
     PENDING_INTERRUPTS.append(KeyboardInterrupt)
     raise KeyboardInterrupt()
 
@@ -108,19 +157,25 @@ def main() -> None:
             check(sys.argv[1:])
         except ConfigError as e:
             fail(one_line(e))
+        raise_pending_interrupt()  # one a library swallowed while the check imported it: before Hydra writes
         hydra_main()
         from harness.hydra_hooks import NOT_COMPLETE
 
         if NOT_COMPLETE:  # a multirun whose every job ran, but not every one completed
-            fail(NOT_COMPLETE[0], 1)
+            fail(not_complete_line(NOT_COMPLETE[0]), 1)
     except KeyboardInterrupt as e:  # before, between or after runs (startup, composing, a sweep's end)
-        from harness.run import Terminated
-
         name, code = (e.NAME, e.EXIT_CODE) if isinstance(e, Terminated) else ("Ctrl-C", 130)
-        from harness.hydra_hooks import MULTIRUN
-
+        # Loaded by Hydra when a multirun started; not imported here (the signal may have cut its import short).
+        MULTIRUN = getattr(sys.modules.get("harness.hydra_hooks"), "MULTIRUN", None) or []
         print(f"error: {interrupted_outside_a_run(name, RUNS_STARTED, MULTIRUN[-1] if MULTIRUN else None)}",
               file=sys.stderr)
+        if not RUNS_STARTED and not MULTIRUN:  # at startup: nothing opened that an exit handler would close
+            # A Ctrl-C that interrupted code run by an extension's import (torch's: PyRun_String) leaves
+            # CPython's "unhandled KeyboardInterrupt" flag set, and its exit would kill the process with
+            # SIGINT (-2) whatever the exit code given here.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         sys.exit(code)
 
 

@@ -51,11 +51,22 @@ def check(argv: list[str]) -> None:
             # The config without its sweeps, as Hydra composes it to find the mode (a sweep preset sets it).
             base = compose_job(name, overrides, sweep_jobs({}, overrides), RunMode.MULTIRUN)
             multirun = args.multirun or OmegaConf.select(base, "hydra.mode") == RunMode.MULTIRUN
-            # Hydra creates the output directory before any of our code runs, with a traceback if it cannot.
-            check_output_dir(base.hydra.sweep.dir if multirun else base.hydra.run.dir)
+            # Hydra creates the output directory before any of our code runs, with a traceback if it cannot;
+            # an empty one (hydra.run.dir=$OUT, OUT unset) would be the current directory.
+            key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+            run_dir = OmegaConf.select(base, key)
+            if not str(run_dir or "").strip():
+                raise ConfigError(f"{key} is empty (an unset variable?); allowed: a directory path "
+                                  f"(Hydra would write into the current directory)")
+            check_output_dir(run_dir)
+            output_dir = OmegaConf.select(base, "output_dir")  # results go there instead (harness.config refuses '')
+            if isinstance(output_dir, str) and output_dir.strip():
+                check_output_dir(output_dir)
             if multirun:
-                for job in sweep_jobs(OmegaConf.select(base, "hydra.sweeper.params") or {}, overrides):
-                    compose_job(name, job, [job])
+                for group in sweep_groups(OmegaConf.select(base, "hydra.sweeper.params") or {}, overrides):
+                    cfg = compose_job(name, group[0], [group[0]])
+                    for job in group:  # the values of every job: a bad one is refused before any job runs
+                        check_values(job_config(cfg, group[0], job) or compose_job(name, job, [job]))
                 return
             cfg = compose_job(name, overrides, [overrides])  # a sweep without -m: Hydra's "ambiguous value"
         except HydraException as e:  # an override that does not parse, a sweep Hydra's sweeper cannot expand
@@ -107,7 +118,8 @@ def judge_keys(name: str, job: list[str]) -> None:
     """Hydra refuses a key not in the config (given without "+") as a struct error and a hint. The job is
     composed again with such keys force-added (``++key=value``) so that what owns them judges them:
     harness.config for the config's keys, the variant's Options for ``variant.*``. Returns when they
-    find nothing wrong (Hydra's own message then stands)."""
+    find nothing wrong (Hydra's own message then stands). The task's keys (``task.*``) are judged by its
+    MQARConfig, which names the allowed ones."""
     from hydra import compose
     from hydra.errors import HydraException
 
@@ -124,17 +136,24 @@ def judge_keys(name: str, job: list[str]) -> None:
 
 def harness_checks(cfg: DictConfig, whole: bool) -> None:
     """harness.config's checks (no torch import: a misspelt key is refused in a fraction of a second), then
-    the variant built with its options; ``whole``: all of run()'s validation (device, causal support,
-    backend, task, memory budget). A VariantError becomes a ConfigError: one kind of bad input here."""
+    the variant built with its options and the task's options checked at each length; ``whole``: all of
+    run()'s validation (device, causal support, backend, task, memory budget). A VariantError becomes a
+    ConfigError: one kind of bad input here."""
     from harness.config import ConfigError, settings_from_config
 
     settings = settings_from_config(cfg)
     from variants import VariantError
 
+    from harness.quality import task_config
     from harness.run import build_variant, validate
 
     try:
-        validate(cfg) if whole else build_variant(settings.variant)
+        if whole:
+            validate(cfg)
+            return
+        build_variant(settings.variant)
+        for n in settings.seq_lens if settings.task is not None else ():
+            task_config(settings, n)
     except VariantError as e:
         raise ConfigError(str(e)) from None
 
@@ -143,16 +162,56 @@ def sweep_jobs(params, overrides: list[str]) -> list[list[str]]:
     """The override lists of a sweep's jobs as Hydra's basic sweeper makes them (``params``: a preset's
     hydra.sweeper.params, which the command line's overrides replace), one per combination of config
     group choices."""
+    return [group[0] for group in sweep_groups(params, overrides)]
+
+
+def sweep_groups(params, overrides: list[str]) -> list[list[list[str]]]:
+    """Every job's override list (as sweep_jobs), grouped by combination of config group choices: the
+    jobs of a group differ only in values."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader()).parse_overrides(
         [f"{k}={v}" for k, v in params.items()] + overrides)
-    jobs: dict[tuple[str, ...], list[str]] = {}
+    groups: dict[tuple[str, ...], list[list[str]]] = {}
     for job in BasicSweeper.split_arguments(parsed, None)[0]:
-        jobs.setdefault(tuple(o if is_group(key_of(o)) else key_of(o) for o in job), job)
-    return list(jobs.values())
+        groups.setdefault(tuple(o if is_group(key_of(o)) else key_of(o) for o in job), []).append(job)
+    return list(groups.values())
+
+
+def job_config(cfg: DictConfig, composed_from: list[str], job: list[str]) -> DictConfig | None:
+    """The config of ``job``, a job of the same group combination as ``composed_from`` (whose composed
+    config ``cfg`` is): the overrides in which they differ (values: a sweep's) applied to a copy as Hydra
+    applies them (composing each job anew would take ~0.1 s a job). One Hydra cannot apply is refused as
+    Hydra would refuse it. None where they differ in a mapping or a deletion (merged or deleted on top of
+    ``composed_from``'s, not the same): compose that job."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    changed = [o for o, c in zip(job, composed_from) if o != c]
+    parsed = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader()).parse_overrides(changed)
+    if any(o.is_delete() or isinstance(o.value(), dict) for o in parsed):
+        return None
+    for o in parsed:
+        if o.type == OverrideType.ADD:  # +key=a,b: the key is there already, added by composed_from's value
+            o.type = OverrideType.FORCE_ADD
+    cfg = cfg.copy()
+    ConfigLoaderImpl._apply_overrides_to_config(parsed, cfg)
+    return cfg
+
+
+def check_values(cfg: DictConfig) -> None:
+    """harness.config's checks of one job's config (no torch: cheap for every job of a sweep)."""
+    from omegaconf import open_dict
+
+    from harness.config import settings_from_config
+
+    with open_dict(cfg):
+        del cfg["hydra"]
+    settings_from_config(cfg)
 
 
 def key_of(override: str) -> str:

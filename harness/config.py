@@ -7,6 +7,7 @@ a second. Every message is one line naming the problem and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -48,6 +49,8 @@ TASKS = ("none", "mqar")
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_BUDGET_SHARE = 0.5  # of MemAvailable: the CPU memory budget when memory_budget_gb is null
+SEED_MAX = 2**63 - 1  # a seed is an int64: the results' seed column; torch's generators take up to 2**64 - 1
+MAX_SECONDS = 7 * 24 * 3600  # a time option: a week is past any job; 1e14 s overflows a transfer's timedelta
 
 
 class ConfigError(ValueError):
@@ -112,6 +115,29 @@ def _positive_int(name: str, x: Any) -> int:
     return x
 
 
+def _finite(x: Any) -> bool:
+    """A number that is neither inf nor nan (nor an integer past float's range)."""
+    try:
+        return _is_number(x) and math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def _positive_number(name: str, x: Any, what: str = "number", most: float | None = None, also: str = "") -> float:
+    """``x`` as a float when it is a finite number > 0 (and at most ``most``); else the one line naming it and
+    the range (``what``: "number of seconds", ...; ``also``: what else is allowed, e.g. ", or null ...")."""
+    if not _finite(x) or x <= 0 or (most is not None and x > most):
+        upper = "" if most is None else f", at most {most:g}"
+        raise ConfigError(f"{name} must be a {what} > 0 (finite{upper}){also}; got {x!r}")
+    return float(x)
+
+
+def _seed(name: str, x: Any) -> int:
+    if not _is_int(x) or not 0 <= x <= SEED_MAX:
+        raise ConfigError(f"{name} must be an integer from 0 to 2**63-1 ({SEED_MAX}); got {x!r}")
+    return x
+
+
 def _bool(name: str, x: Any) -> bool:
     if not isinstance(x, bool):
         raise ConfigError(f"{name} must be true or false; got {x!r}")
@@ -150,9 +176,10 @@ def _measure(cfg: Mapping[str, Any] | None) -> MeasureOptions:
     if not _is_int(m.warmup_iters) or m.warmup_iters < 1:
         raise ConfigError(f"measure.warmup_iters must be an integer >= 1 (compilation and autotuning must stay "
                           f"out of the memory measurement); got {m.warmup_iters!r}")
-    for name in ("min_run_time", "max_run_time", "max_rel_iqr", "max_other_cores"):
-        if not _is_number(getattr(m, name)) or getattr(m, name) <= 0:
-            raise ConfigError(f"measure.{name} must be a number > 0; got {getattr(m, name)!r}")
+    floats = {name: _positive_number(f"measure.{name}", getattr(m, name), what, most)
+              for name, what, most in (("min_run_time", "number of seconds", MAX_SECONDS),
+                                        ("max_run_time", "number of seconds", MAX_SECONDS),
+                                        ("max_rel_iqr", "number", None), ("max_other_cores", "number of cores", None))}
     if not _is_int(m.min_samples) or m.min_samples < 2:
         raise ConfigError(f"measure.min_samples must be an integer >= 2 (a spread needs two); got {m.min_samples!r}")
     if not _is_int(m.max_tries) or m.max_tries < 1:
@@ -163,9 +190,7 @@ def _measure(cfg: Mapping[str, Any] | None) -> MeasureOptions:
         raise ConfigError(f"unknown measure.on_noise {m.on_noise!r}; allowed: {', '.join(ON_NOISE)}")
     _bool("measure.memory", m.memory)
     _bool("measure.param_grads", m.param_grads)
-    return dataclasses.replace(m, passes=tuple(p for p in PASSES if p in passes),
-                               **{k: float(getattr(m, k)) for k in ("min_run_time", "max_run_time", "max_rel_iqr",
-                                                                     "max_other_cores")})
+    return dataclasses.replace(m, passes=tuple(p for p in PASSES if p in passes), **floats)
 
 
 def _fidelity(cfg: Mapping[str, Any] | None) -> FidelityOptions:
@@ -190,6 +215,8 @@ def _task(cfg: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     if name == "none":
         _unknown_keys("task=none option", cfg, ())
         return None
+    if "seed" in cfg:  # its other values: MQARConfig's
+        _seed("task.seed", cfg["seed"])
     return cfg
 
 
@@ -199,9 +226,11 @@ def _logger(cfg: Mapping[str, Any] | None):
     cfg = dict(cfg or {"name": "none"})
     _unknown_keys("logger option", cfg, tuple(f.name for f in dataclasses.fields(LoggerConfig)))
     try:
-        return LoggerConfig(**cfg)
+        logger = LoggerConfig(**cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _positive_number("logger.init_timeout_s", logger.init_timeout_s, "number of seconds", MAX_SECONDS)
+    return logger
 
 
 def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
@@ -223,15 +252,13 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
     if device not in DEVICES:
         raise ConfigError(f"unknown device {device!r}; allowed: {', '.join(DEVICES)}")
     budget = cfg.get("memory_budget_gb")
-    if budget is not None and (not _is_number(budget) or budget <= 0):
-        raise ConfigError(f"memory_budget_gb must be a number of GB > 0, or null for {DEFAULT_BUDGET_SHARE} of "
-                          f"the available memory; got {budget!r}")
-    seed = cfg.get("seed", 0)
-    if not _is_int(seed) or seed < 0:
-        raise ConfigError(f"seed must be an integer >= 0; got {seed!r}")
+    if budget is not None:
+        budget = _positive_number("memory_budget_gb", budget, "number of GB", also=f", or null for "
+                                  f"{DEFAULT_BUDGET_SHARE} of the available memory")
+    seed = _seed("seed", cfg.get("seed", 0))
     output_dir = cfg.get("output_dir")
-    if output_dir is not None and not isinstance(output_dir, str):
-        raise ConfigError(f"output_dir must be a path or null; got {output_dir!r}")
+    if output_dir is not None and (not isinstance(output_dir, str) or not output_dir.strip()):
+        raise ConfigError(f"output_dir must be a path or null (Hydra's output directory); got {output_dir!r}")
     num_heads = _heads(cfg)
     seq_lens = _seq_lens(cfg)
     tokens = cfg.get("tokens_per_batch")
@@ -254,7 +281,7 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> Settings:
         device=device,
         causal=_bool("causal", cfg.get("causal", False)),
         seed=seed,
-        memory_budget_gb=None if budget is None else float(budget),
+        memory_budget_gb=budget,
         output_dir=output_dir,
         measure=_measure(cfg.get("measure")),
         inputs=one_of("inputs", cfg.get("inputs", "gaussian"), INPUT_KINDS),
@@ -285,10 +312,7 @@ def _heads(cfg: Mapping[str, Any]) -> int:
 def _distributed(cfg: Mapping[str, Any] | None) -> float:
     cfg = dict(cfg or {})
     _unknown_keys("distributed option", cfg, ("timeout_s",))
-    timeout = cfg.get("timeout_s", 120)
-    if not _is_number(timeout) or timeout <= 0:
-        raise ConfigError(f"distributed.timeout_s must be a number of seconds > 0; got {timeout!r}")
-    return float(timeout)
+    return _positive_number("distributed.timeout_s", cfg.get("timeout_s", 120), "number of seconds", MAX_SECONDS)
 
 
 def _retry(x: Any) -> tuple[str, ...]:

@@ -93,6 +93,16 @@ def check(settings: Settings, attn, device: torch.device) -> None:
     if rv is not None and rv.world_size != P:
         raise ConfigError(f"{attn.name}: variant.world_size={P} but the launcher started {rv.world_size} "
                           f"processes; allowed: variant.world_size={rv.world_size}")
+    # On CPU the harness starts P - 1 processes here, each importing torch and holding its own copy of the
+    # workload: a few per core is a correctness test (P = 2, 3 on 2 cores); far more thrashes the machine
+    # or meets the kernel's OOM killer. Ranks joined from torchrun or SLURM were placed by their launcher.
+    per_core = 4
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if device.type == "cpu" and rv is None and P > per_core * cores:
+        raise ConfigError(f"{attn.name}: variant.world_size={P} would start {P} processes on the {cores} CPU cores "
+                          f"this process may use (each imports torch and holds the workload: more than {per_core} "
+                          f"per core thrashes or meets the OOM killer); allowed: variant.world_size up to "
+                          f"{per_core * cores} here, or ranks launched by torchrun or srun")
     # On CUDA each rank of a machine takes the GPU of its local rank (NCCL refuses two ranks on one GPU):
     # a rank without one would fail at start and leave the others waiting out the control timeout.
     gpus = torch.cuda.device_count() if device.type == "cuda" else None

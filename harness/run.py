@@ -28,6 +28,7 @@ from .memory import device_lost, is_out_of_memory, release_memory
 from .quality import quality, task_config, task_options
 from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, TASK_OPT_PREFIX, JobStatus, LockedError, Result,
                       ResultStore, Sink, Sweep, fit_exponents, machine, point_key, series_key, tflops, write_json)
+from .signals import PENDING_INTERRUPTS, Terminated, TimeLimit, raise_pending_interrupt  # noqa: F401
 
 
 def resolve_device(name: str) -> torch.device:
@@ -125,31 +126,6 @@ class RunInterrupted(BaseException):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.message, self.exit_code = message, exit_code
-
-
-class Terminated(KeyboardInterrupt):
-    """Raised by the command line's SIGTERM handler, so that a cancelled job ends like Ctrl-C."""
-
-    NAME, EXIT_CODE = "SIGTERM", 143
-
-
-class TimeLimit(Terminated):
-    """SLURM's warning that a job nears its time limit (SIGUSR2, ``signal_delay_s`` before it, as the
-    SLURM launcher asks): the run ends as interrupted, resumable, before the kill. (submitit's own handler
-    would raise inside the point being measured, which then stood as an error that no rerun retried.)"""
-
-    NAME, EXIT_CODE = "SIGUSR2: the SLURM time limit is near", 140
-
-
-# The interrupts the command line's handlers saw (``Terminated`` or ``KeyboardInterrupt`` classes). Python
-# drops an exception raised inside a finalizer (it prints "Exception ignored in ..."): a signal landing
-# there would be lost, so the run raises it again at its next phase (``raise_pending_interrupt``).
-PENDING_INTERRUPTS: list[type[KeyboardInterrupt]] = []
-
-
-def raise_pending_interrupt() -> None:
-    if PENDING_INTERRUPTS:
-        raise PENDING_INTERRUPTS[-1]()
 
 
 class DirectoryInUse(ConfigError):

@@ -24,7 +24,16 @@
 # without .git: `git rev-parse --short=12 HEAD` where it was copied from).
 # A dry run on a CPU machine (tiny sizes; what needs CUDA is recorded skipped):
 #   OUT=/tmp/o BENCH_DIR=/tmp/b SKIP_WHEELS=1 SKIP_TESTS=1 BENCH_ARGS=--smoke bash scripts/gpu_job.sh
+# Arguments: none (settings go in the environment); -h or --help prints this and exits.
 set -uo pipefail
+for arg in "$@"; do
+    case "$arg" in
+        -h|--help) sed -n '2,/^set -uo pipefail/{/^set -uo pipefail/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+        *) echo "gpu_job.sh: unknown argument '$arg'; allowed: -h, --help (settings go in the environment:" \
+                "JOB_BUDGET_S, OUT, BENCH_DIR, ...; see --help)" >&2
+           exit 2 ;;
+    esac
+done
 cd "$(dirname "$0")/.."
 
 JOB_BUDGET_S=${JOB_BUDGET_S:-480}

@@ -205,3 +205,21 @@ def test_an_exponent_needs_every_length_of_its_range_and_memory_is_counted_exact
         assert lin["status"] == "not measured" and "math: not fitted" in lin["detail"], lin
     else:
         assert lin["detail"].startswith("math;") and "math: " in lin["detail"], lin
+
+
+def test_gpu_job_help_prints_its_usage_and_an_unknown_argument_is_one_line(tmp_path):
+    """--help started the whole job (on a CPU machine a results/gpu/<date>-cpu directory in the repository)."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "BENCH_DIR": str(tmp_path / "bench"), "SKIP_WHEELS": "1",
+           "SKIP_TESTS": "1", "PYTHON": "false", "JOB_BUDGET_S": "1"}  # were it to start: nothing to run, at once
+    script = str(ROOT / "scripts" / "gpu_job.sh")
+    header = [line[2:] for line in (ROOT / "scripts" / "gpu_job.sh").read_text().splitlines()[1:]
+              if line.startswith("#")][:3]
+    for flag in ("--help", "-h"):
+        proc = subprocess.run(["bash", script, flag], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
+        assert proc.stdout.splitlines()[:3] == header and "JOB_BUDGET_S" in proc.stdout, proc.stdout
+    proc = subprocess.run(["bash", script, "--budget", "10"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr.count("\n")) == (2, "", 1), proc.stdout + proc.stderr
+    assert proc.stderr.startswith("gpu_job.sh: unknown argument '--budget'; allowed: -h, --help"), proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -478,3 +478,118 @@ def test_the_backend_that_ran_is_recorded(tmp_path):
     sweep = run(compose_cfg("variant=full", "variant.backend=math", *TINY, "measure.passes=[fwd]"),
                 output_dir=tmp_path)
     assert sweep.rows[0].backend == sweep.rows[0].backend_ran == "math"
+
+
+# ----- bad input found after Hydra or the run started (review) ----------------------------------------
+
+# Each refused before Hydra starts: exactly this line, exit 2, nothing written where the command ran.
+ALLOWED_TASK_KEYS = ("seq_len, vocab_size, num_kv_pairs, num_queries, d_model, n_layers, n_heads, d_mlp, positions, "
+                     "short_conv, batch_size, steps, lr, weight_decay, warmup_steps, grad_clip, eval_every, "
+                     "eval_size, seed, span_penalty")
+LATE_REFUSALS = [
+    # non-finite numbers, which crashed later with a traceback
+    (["measure.min_run_time=inf"], "measure.min_run_time must be a number of seconds > 0 (finite, at most 604800); "
+                                   "got inf"),
+    (["measure.max_run_time=inf"], "measure.max_run_time must be a number of seconds > 0 (finite, at most 604800); "
+                                   "got inf"),
+    (["measure.max_rel_iqr=nan"], "measure.max_rel_iqr must be a number > 0 (finite); got nan"),
+    (["measure.max_other_cores=inf"], "measure.max_other_cores must be a number of cores > 0 (finite); got inf"),
+    (["distributed.timeout_s=nan"], "distributed.timeout_s must be a number of seconds > 0 (finite, at most 604800); "
+                                    "got nan"),
+    (["distributed.timeout_s=1e300"], "distributed.timeout_s must be a number of seconds > 0 (finite, at most "
+                                      "604800); got 1e+300"),
+    (["memory_budget_gb=nan"], "memory_budget_gb must be a number of GB > 0 (finite), or null for 0.5 of the "
+                               "available memory; got nan"),
+    (["logger=wandb", "logger.init_timeout_s=nan"],
+     "logger.init_timeout_s must be a number of seconds > 0 (finite, at most 604800); got nan"),
+    # seeds past an int64, which became error rows
+    (["seed=99999999999999999999"], "seed must be an integer from 0 to 2**63-1 (9223372036854775807); "
+                                    "got 99999999999999999999"),
+    (["task=mqar", "task.steps=1", "seq_len=32", "task.seed=9223372036854775808"],
+     "task.seed must be an integer from 0 to 2**63-1 (9223372036854775807); got 9223372036854775808"),
+    # a task key not in the config names the allowed ones, as +task.nope=1 does
+    (["task=mqar", "seq_len=64", "task.nope=1"], f"task=mqar at N=64: unknown option 'nope'; allowed: "
+                                                 f"{ALLOWED_TASK_KEYS}"),
+    (["task=mqar", "seq_len=64", "+task.nope=1"], f"task=mqar at N=64: unknown option 'nope'; allowed: "
+                                                  f"{ALLOWED_TASK_KEYS}"),
+    # output paths: Hydra's own directory was left behind, or the current directory written into
+    (["output_dir=/proc/xx"], "cannot write results to /proc/xx: /proc is not writable (No such file or directory)"),
+    (["output_dir="], "output_dir must be a path or null (Hydra's output directory); got ''"),
+    (["hydra.run.dir="], "hydra.run.dir is empty (an unset variable?); allowed: a directory path (Hydra would write "
+                         "into the current directory)"),
+    (["-m", "hydra.sweep.dir="], "hydra.sweep.dir is empty (an unset variable?); allowed: a directory path (Hydra "
+                                 "would write into the current directory)"),
+    # every job's values of a sweep, not one job per combination of config group choices
+    (["-m", "batch_size=1,abc"], "batch_size must be an integer > 0; got 'abc'"),
+    (["-m", "seq_lens=[32],[0]"], "seq_lens must be an integer > 0; got 0"),
+    (["-m", "variant=full,blockwise", "seq_lens=[32],[64]", "measure.min_run_time=0.01,nan"],
+     "measure.min_run_time must be a number of seconds > 0 (finite, at most 604800); got nan"),
+]
+
+
+def test_late_refusals_are_one_line_exit_2_before_hydra_writes(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    for start in range(0, len(LATE_REFUSALS), 6):  # a few at a time: each imports Hydra (some torch)
+        procs = []
+        for i, (args, _) in enumerate(LATE_REFUSALS[start:start + 6], start):
+            cwd = tmp_path / str(i)  # Hydra's default output and sweep directories are relative to it
+            cwd.mkdir()
+            flags = [a for a in args if a.startswith("-")]  # Hydra's flags before the overrides
+            overrides = [a for a in args if not a.startswith("-")]
+            procs.append((cwd, subprocess.Popen([sys.executable, "-m", "harness", *flags, "logger=none", "num_heads=1",
+                                                 "head_dim=8", "measure.min_run_time=0.01", *overrides], cwd=cwd,
+                                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        for (args, want), (cwd, proc) in zip(LATE_REFUSALS[start:start + 6], procs):
+            output, _ = proc.communicate(timeout=120)
+            assert (proc.returncode, output.splitlines()) == (2, [f"error: {want}"]), args
+            assert list(cwd.iterdir()) == [], args
+
+
+@pytest.mark.parametrize("signum,code,name", [(2, 130, "Ctrl-C"), (15, 143, "SIGTERM")])
+@pytest.mark.parametrize("swallowed", [False, True])
+def test_a_signal_while_torch_is_imported_at_startup_is_one_line(tmp_path, signum, code, name, swallowed):
+    """Ctrl-C or SIGTERM landing inside torch's import (the command line's check imports it): the handler
+    imports nothing that imports torch (it re-entered torch's half-done import: an ImportError and a
+    traceback). Raised there, it ends the command as interrupted; swallowed there (a library's except),
+    it is raised again before Hydra writes anything."""
+    out = tmp_path / "run"
+    catch = "except KeyboardInterrupt:\n            pass" if swallowed else "finally:\n            pass"
+    script = f"""
+import importlib.abc, os, sys
+
+class SignalInTorchsImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if not fullname.startswith("torch."):
+            return None
+        sys.meta_path.remove(self)
+        try:
+            os.kill(os.getpid(), {signum})
+            for _ in range(1000):  # the handler runs here
+                pass
+        {catch}
+        return None
+
+sys.meta_path.insert(0, SignalInTorchsImport())
+sys.argv = ["harness", "variant=full", "seq_lens=[64]", "num_heads=1", "head_dim=8", "logger=none",
+            "hydra.run.dir={out}"]
+from harness.__main__ import main
+main()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"})
+    assert (proc.returncode, proc.stdout + proc.stderr) == (
+        code, f"error: interrupted ({name}) before a run started; nothing was measured\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compare_refuses_a_threshold_that_can_never_flag(tmp_path, capsys):
+    from harness.report.compare import main as compare
+
+    for threshold in ("nan", "inf"):
+        assert compare([str(tmp_path), str(tmp_path), "--threshold", threshold]) == 2
+        assert capsys.readouterr().err == (f"compare: error: --threshold must be a finite number >= 0 (a relative "
+                                           f"change: 0.10 is 10%); got {threshold}\n")
+    with pytest.raises(SystemExit) as e:  # argparse's own refusal: one line too
+        compare([str(tmp_path), str(tmp_path), "--threshold", "abc"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "compare: error: argument --threshold: invalid float value: 'abc'; see --help\n"

@@ -372,3 +372,36 @@ def test_sweep_preset_runs_ring_and_ulysses(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for p in sorted(tmp_path.glob("*/results.jsonl")) for line in p.read_text().splitlines()]
     assert sorted((r["variant"], r["status"]) for r in rows) == [("ring", "ok"), ("ulysses", "ok")]
+
+
+def test_more_cpu_ranks_than_the_cores_hold_are_refused_unless_a_launcher_started_them(monkeypatch):
+    """On CPU the harness starts the ranks itself: far more than the cores (world_size=1000) thrashed the
+    machine until the OOM killer came. Up to 4 a core stands (P = 2, 3 on 2 cores test correctness);
+    ranks torchrun or srun started are the launcher's to place."""
+    from hydra import compose, initialize_config_dir
+
+    from harness.distributed import check
+    from harness.run import build_variant
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # one core: 4 ranks at most
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        four, five = (settings_from_config(compose(config_name="config", overrides=[
+            "variant=ring", f"variant.world_size={P}", "device=cpu"])) for P in (4, 5))
+    check(four, build_variant(four.variant), torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"^ring: variant.world_size=5 would start 5 processes on the 1 CPU cores "
+                                          r"this process may use .* allowed: variant.world_size up to 4 here, or "
+                                          r"ranks launched by torchrun or srun$"):
+        check(five, build_variant(five.variant), torch.device("cpu"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    check(five, build_variant(five.variant), torch.device("cpu"))  # torchrun's ranks: not refused
+
+
+def test_more_cpu_ranks_than_the_cores_hold_is_one_line(tmp_path):
+    P = 4 * len(os.sched_getaffinity(0)) + 1
+    proc = harness("variant=ring", f"variant.world_size={P}", "device=cpu", f"hydra.run.dir={tmp_path / 'out'}")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: ring: variant.world_size={P} would start {P} processes"), proc.stderr
+    assert not (tmp_path / "out").exists()

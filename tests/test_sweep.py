@@ -295,3 +295,67 @@ def test_the_group_of_a_sweeps_runs_is_logger_group_where_its_jobs_set_it(tmp_pa
     assert sweep_group_name(tmp_path) == "/".join(tmp_path.parts[-2:])
     (tmp_path / "1" / ".hydra" / "config.yaml").write_text(json.dumps({"logger": {"name": "wandb", "group": "ab"}}))
     assert jobs_group(tmp_path) == "ab"
+
+
+def test_a_job_refused_in_a_directory_another_job_completed_leaves_its_status_and_is_counted(tmp_path):
+    """seq_lens is not in a job directory's name: the jobs of seq_lens=[32],[16] share one. The second is
+    refused at run time (MQAR needs N >= 24 here): the first's status.json still says completed, the
+    refusal is in the sweep's refused-jobs.jsonl and counted, and the last line does not promise that
+    rerunning resumes what the same command refuses again."""
+    tiny = ["task=mqar", "seq_lens=[32],[16]", "task.steps=1", "task.eval_size=4", "task.batch_size=2",
+            "task.warmup_steps=0", "num_heads=1", "head_dim=8", "measure.passes=[]", "measure.memory=false",
+            "fidelity.enabled=false", "logger=none"]
+    p = subprocess.run([sys.executable, "-m", "harness", "-m", *tiny, f"hydra.sweep.dir={tmp_path}"], check=False,
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 1, p.stdout + p.stderr
+    (status,) = tmp_path.glob("*/status.json")
+    assert json.loads(status.read_text())["state"] == "completed"
+    assert "jobs: 2 (completed 1, refused (directory in use) 1)" in p.stdout, p.stdout
+    (refused,) = [json.loads(x) for x in (tmp_path / "refused-jobs.jsonl").read_text().splitlines()]
+    assert refused["job"] == 1 and "seq_len=16 is too short" in refused["error"], refused
+    error = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 2 and "job 1" in error[0] and "seq_len=16 is too short" in error[0], p.stderr
+    assert "rerun the same command to resume" not in error[1] and "refused again" in error[1], error[1]
+
+
+def test_a_multirun_whose_job_is_refused_at_run_time_exits_1_and_says_a_rerun_refuses_it_again(tmp_path):
+    """What test_a_multirun_with_a_refused_job_exits_1_without_the_script checks, with a job refused at run
+    time (linear cannot be causal): a bad value (seq_len=-5) is now refused before any job runs, exit 2.
+    A refusal is not resumed by rerunning the same command, and the last line does not say it is."""
+    p = subprocess.run([sys.executable, "-m", "harness", "-m", *TINY, "variant=linear", "causal=true",
+                        f"hydra.sweep.dir={tmp_path}"], check=False, cwd=ROOT, env=env(), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "jobs: 1 (refused 1)" in p.stdout
+    error = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert "causal" in error[0] and "not every job of the sweep completed" in error[-1], p.stderr
+    assert error[-1].endswith("a job refused for its input is refused again by the same command: change that input "
+                              "first"), error[-1]
+    p = subprocess.run([sys.executable, "-m", "harness", "-m", *TINY, "seq_len=-5",
+                        f"hydra.sweep.dir={tmp_path / 'x'}"], check=False, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stderr) == (2, "error: seq_len must be an integer > 0; got -5\n"), p.stdout + p.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_last_line_tells_a_refusal_from_what_a_rerun_resumes(tmp_path, monkeypatch):
+    from harness import hydra_hooks
+    from harness.__main__ import REFUSED_INPUT, not_complete_line
+
+    for job, state in (("a", "completed"), ("b", "interrupted")):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "status.json").write_text(json.dumps({"state": state}))
+    monkeypatch.setattr(hydra_hooks, "MULTIRUN", [str(tmp_path)])
+    monkeypatch.setattr(hydra_hooks, "STARTED", [])
+    line = ("not every job of the sweep completed (jobs: 3 (completed 1, interrupted 1, refused (directory in use) 1); "
+            "see each job's status.json and the lines above); rerun the same command to resume")
+    # another command's run held the third job's directory: a rerun runs it once that run has ended
+    (tmp_path / hydra_hooks.REFUSED).write_text(json.dumps({"job": 2, "overrides": "", "error": "in use"}) + "\n")
+    assert not_complete_line(line) == line
+    # the third was refused for its input in a directory another job wrote: a rerun refuses it again
+    (tmp_path / hydra_hooks.REFUSED).write_text(json.dumps({"job": 2, "overrides": "", "error": REFUSED_INPUT}) + "\n")
+    assert not_complete_line(line) == line.removesuffix("; rerun the same command to resume") + (
+        "; rerun the same command to resume the jobs that did not finish (a job refused for its input is refused "
+        "again until that input changes)")
+    (tmp_path / "b" / "status.json").write_text(json.dumps({"state": "completed"}))
+    assert not_complete_line(line).endswith("; a job refused for its input is refused again by the same command: "
+                                            "change that input first")

@@ -16,6 +16,7 @@ cannot be trusted) is not judged on its times: it is listed apart. Exit status: 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -128,13 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threshold", type=float, default=0.10, help="relative change that counts (default 0.10)")
     p.add_argument("--fail-on-regression", action="store_true", help="exit 1 when any point regressed")
     p.add_argument("--metric", default="fwd_bwd_ms,peak_mem_bytes", help="comma-separated metrics")
+
+    def error(message: str) -> None:  # argparse's own: one line, as the rest (its usage: --help)
+        print(f"compare: error: {message}; see --help", file=sys.stderr)
+        sys.exit(2)
+
+    p.error = error
     args = p.parse_args(argv)
     metrics = [m.strip() for m in args.metric.split(",") if m.strip()]
     try:
         if not metrics:
             raise InputError("--metric: no metric given")
-        if args.threshold < 0:
-            raise InputError(f"--threshold must be >= 0; got {args.threshold}")
+        if not math.isfinite(args.threshold) or args.threshold < 0:  # nan and inf would never flag a regression
+            raise InputError(f"--threshold must be a finite number >= 0 (a relative change: 0.10 is 10%); "
+                             f"got {args.threshold}")
         rows_a, rows_b = load_rows(args.a), load_rows(args.b)
         unknown = [m for m in metrics if not any(m in r for r in [*rows_a, *rows_b])]
         if unknown:

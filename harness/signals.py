@@ -1,0 +1,33 @@
+"""What the command line's signal handlers need, and nothing else: no torch import (nor of anything that
+imports it). A handler runs wherever the signal lands, torch's own import included; one that imported
+harness.run there would re-enter that half-done import and end in an ImportError and a traceback
+instead of the one line and exit code of an interrupt. harness.run takes these names from here.
+"""
+
+from __future__ import annotations
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised by the command line's SIGTERM handler, so that a cancelled job ends like Ctrl-C."""
+
+    NAME, EXIT_CODE = "SIGTERM", 143
+
+
+class TimeLimit(Terminated):
+    """SLURM's warning that a job nears its time limit (SIGUSR2, ``signal_delay_s`` before it, as the
+    SLURM launcher asks): the run ends as interrupted, resumable, before the kill. (submitit's own handler
+    would raise inside the point being measured, which then stood as an error that no rerun retried.)"""
+
+    NAME, EXIT_CODE = "SIGUSR2: the SLURM time limit is near", 140
+
+
+# The interrupts the command line's handlers saw (``Terminated`` or ``KeyboardInterrupt`` classes). Python
+# drops an exception raised inside a finalizer (it prints "Exception ignored in ..."), and a library may
+# swallow one raised inside its import: a signal landing there would be lost, so the run raises it again
+# at its next phase (``raise_pending_interrupt``), and the command line before Hydra starts.
+PENDING_INTERRUPTS: list[type[KeyboardInterrupt]] = []
+
+
+def raise_pending_interrupt() -> None:
+    if PENDING_INTERRUPTS:
+        raise PENDING_INTERRUPTS[-1]()
