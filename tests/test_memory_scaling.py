@@ -89,3 +89,34 @@ def test_one_tile_alive_at_a_time(name, options, tiles):
     q.grad = k.grad = v.grad = None
     bound = 4 * (4 * b * h * n * d + tiles * engine.TILE_ELEMENTS)
     assert cpu_peak_bytes(step) <= 1.05 * bound
+
+
+BOUND_CASES = [("blockwise", {"block_size": 128}), ("blockwise", {"mode": "local", "block_size": 128}),
+               ("sliding_window", {"window": 64}), ("sliding_window", {"window": 32, "dilation": 2, "global_tokens": 20}),
+               ("sparse", {"pattern": "fixed"}), ("sparse", {"pattern": "strided"}), ("sparse", {"pattern": "bigbird"}),
+               ("full", {"backend": "math"}), ("full", {"backend": "sdpa_math"}),
+               ("sparse", {"pattern": "bigbird", "backend": "dense"}), ("reformer", {"bucket_size": 32}),
+               ("reformer", {"bucket_size": 32, "backend": "dense"}),
+               ("adaptive_span", {"max_span": 256, "num_heads": 4, "backend": "dense"})]
+
+
+@pytest.mark.parametrize("name,options", BOUND_CASES, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.values())))
+def test_analytic_memory_bounds_the_measured_peak(name, options):
+    """The analytic figure (the CPU budget's skip rule and fit.json's theory) is an upper bound of the
+    measured peak and a close one, in float32 and bfloat16 (the engine's and reformer's float32 tiles and
+    accumulators, SDPA math's float32 scores), N a multiple of the blocks or not (padded copies), one head
+    or several (tiles of one or many rows), with the bool masks the dense paths keep."""
+    attn = variants.build(name, **options)
+    for b, h, n, d in [(1, 4, 1100, 64), (2, 4, 640, 32)]:  # padded and not
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (t.to(dtype).detach().requires_grad_() for t in qkv(b, h, n, d, seed=n))
+            grad = torch.randn(b, h, n, d, dtype=dtype)
+
+            def step():
+                attn(q, k, v, causal=True).backward(grad)
+                q.grad = k.grad = v.grad = None
+
+            step()
+            measured = cpu_peak_bytes(step)
+            analytic = attn.memory_bytes(b, h, n, d, torch.empty((), dtype=dtype).element_size(), causal=True)
+            assert measured <= 1.001 * analytic <= 1.3 * measured, (b, h, n, d, dtype, measured, analytic)

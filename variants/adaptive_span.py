@@ -236,8 +236,8 @@ class AdaptiveSpan(Attention):
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
         if self.backend == "flex":
             return element_size * B * H * 8 * N * D  # fused: O(N·D), as the other flex backends
-        if self.backend == "dense":
-            return super().memory_bytes(B, H, N, D, element_size, causal)
+        if self.backend == "dense":  # plus the (H, N, N) log-mask and what its graph to z keeps (measured)
+            return super().memory_bytes(B, H, N, D, element_size, causal) + (3 * element_size + 1) * H * N * N
         # Band tiles (scores, probabilities, their gradient) and the gathered keys and values with
         # their gradients (nc·L keys of D elements each).
         nc, c, L = self.band_shape(N, causal)

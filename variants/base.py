@@ -172,8 +172,13 @@ class Attention(nn.Module):
         gradient, the inputs, excluded)."""
         # Dense attention's peak is the softmax backward: the saved probabilities P, dP and dS (three
         # score-sized tensors) beside the output and dV (two N×D); dq and dk come after it. Measured
-        # exactly so (tests/test_harness.py). Variants with their own structure override this.
-        return element_size * B * H * (3 * self.executed_pairs(N, causal) + 2 * N * D)
+        # exactly so (tests/test_harness.py). Plus the bool mask the dense path saves (masked_fill keeps
+        # its negation). Variants with their own structure override this.
+        return element_size * B * H * (3 * self.executed_pairs(N, causal) + 2 * N * D) + self.mask_bytes(B, H, N, causal)
+
+    def mask_bytes(self, B: int, H: int, N: int, causal: bool) -> int:
+        """Bytes of the bool mask a dense path holds through the backward: one (N, N)."""
+        return N * N
 
     # ----- training: what a model that trains the variant asks of each layer (harness/quality/task.py) -
     def regulariser(self) -> Tensor | None:

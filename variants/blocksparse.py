@@ -212,9 +212,10 @@ class BlockSparseAttention(torch.autograd.Function):
         o /= l
         lse = m + l.log2()  # (B, H, nb, b, 1), base 2
         out = o.flatten(2, 3)[:, :, :N].to(q.dtype)
+        out = out if out.is_contiguous() else out.contiguous()  # saved so: a saved view would keep o alive
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale, ctx.probs = plan, scale, saved
-        return out if out.is_contiguous() else out.contiguous()
+        return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
@@ -266,10 +267,7 @@ def _tiles(chunks, qb: Tensor, kb: Tensor, vb: Tensor, key_scale: float):
     B, H, nb, b, D = qb.shape
     for ch in chunks:
         r0, r1 = ch.rows
-        C = ch.keys.shape[-1] * b
-        # At most TILE_ELEMENTS in the scores (r·b·C per batch and head) and, where gathered, in the copies
-        # of the keys and values together (2·r·C·D: twice the scores for D = b).
-        step = max(1, TILE_ELEMENTS // (B * H * C * (b if ch.shared else max(b, 2 * D))))
+        step = rows_per_tile(ch, B * H, b, D)
         if ch.shared:
             c = len(ch.keys)  # consecutive blocks are a view (decided when planning: no device sync here)
             kc, vc = ((t[:, :, ch.start:ch.start + c] if ch.start is not None else t.index_select(2, ch.keys))
@@ -281,6 +279,24 @@ def _tiles(chunks, qb: Tensor, kb: Tensor, vb: Tensor, key_scale: float):
                 yield ch, p0, p1, kc, vc
             else:  # gathered here, held by no name of this frame: freed as soon as the caller drops them
                 yield ch, p0, p1, *_gather(kb, vb, ch.keys[p0 - r0:p1 - r0], key_scale)
+
+
+def rows_per_tile(ch: Chunk, BH: int, b: int, D: int) -> int:
+    """Query blocks per tile: at most TILE_ELEMENTS in the scores (r·b·C per batch and head) and, where
+    gathered, in the copies of the keys and values together (2·r·C·D: twice the scores for D = b)."""
+    C = ch.keys.shape[-1] * b
+    return max(1, TILE_ELEMENTS // (BH * C * (b if ch.shared else max(b, 2 * D))))
+
+
+def largest_tile(plan: BlockPlan, BH: int, D: int) -> tuple[int, int]:
+    """Elements of the largest tile's scores and of the keys and values it copies (gathered, or shared
+    ones scaled), over B·H = ``BH``: what one step of the loops below holds beside the accumulators."""
+    b, scores, copied = plan.block_size, 0, 0
+    for ch in plan.chunks:
+        r, C = min(rows_per_tile(ch, BH, b, D), ch.rows[1] - ch.rows[0]), ch.keys.shape[-1] * b
+        scores = max(scores, BH * r * b * C)
+        copied = max(copied, BH * C * D * (1 if ch.start is not None else 2) if ch.shared else 2 * BH * r * C * D)
+    return scores, copied
 
 
 def _gather(kb: Tensor, vb: Tensor, idx: Tensor, key_scale: float) -> tuple[Tensor, Tensor]:
@@ -429,14 +445,20 @@ class MaskedAttention(Attention):
             return element_size * B * H * 8 * N * D  # fused kernels: O(N·D), as full's fused backends
         if self.backend == "dense":
             return super().memory_bytes(B, H, N, D, element_size, causal)
-        # O(N·D): output, log-sum-exp and the accumulators (o; dq, dk, dv; inputs padded to whole blocks),
-        # plus the backward's live tile (probabilities and their gradient, gathered keys, values and their
-        # gradients), at most TILE_ELEMENTS scores and never more than the computed pairs: an upper bound.
-        computed = B * H * self.executed_pairs(N, causal)
-        tile = min(TILE_ELEMENTS, computed)
-        gathered = tile * D // self.engine_block_size(N)
-        saved = 4 * computed if self.save_probabilities else 0  # the probability tiles, float32
-        return 4 * (2 * tile + 3 * gathered) + saved + element_size * B * H * 8 * N * D
+        # The backward's peak, O(N·D) plus one tile. a: the accumulators' element size (float32 at least).
+        # Per (batch, head): the saved output and log-sum-exp, Δ, the accumulators dq, dk, dv over whole
+        # blocks, and q, k, v, dO in blocks where they are cast or padded (views otherwise). Beside them,
+        # the loop's tile (probabilities, dS, a bool mask tile; the keys and values it copies and a tile's
+        # key gradient) or, at the end, the gradients cast back to the inputs' dtype.
+        a, BH, b = max(element_size, 4), B * H, self.engine_block_size(N)
+        Np = -(-N // b) * b
+        copies = element_size != a or Np != N
+        per_head = element_size * N * D + 2 * a * Np + 3 * a * Np * D + (4 * a * Np * D if copies else 0)
+        scores, copied = largest_tile(self.plan(N, causal), BH, D)
+        loop = a * (2 * scores + copied + copied // 2) + scores
+        end = 3 * element_size * BH * N * D if copies else 0
+        saved = a * BH * self.executed_pairs(N, causal) if self.save_probabilities else 0  # the probability tiles
+        return BH * per_head + max(loop, end) + saved
 
     def block_density(self, seq_len: int, causal: bool = False) -> float:
         """Allowed key blocks over all nb² blocks (the block-sparse layout's density)."""

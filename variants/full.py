@@ -65,9 +65,15 @@ class Full(Attention):
         return seq_len * seq_len if self.backend_ran in ("math", "sdpa_math") else self.allowed_pairs(seq_len, causal)
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
-        if self.backend in ("math", "sdpa_math"):
+        if self.backend == "math":
             return super().memory_bytes(B, H, N, D, element_size, causal)  # three N×N at the peak
+        if self.backend == "sdpa_math":  # the same, its scores in float32 for half inputs (SDPA's math upcasts)
+            return super().memory_bytes(B, H, N, D, max(element_size, 4), causal)
         return element_size * B * H * 8 * N * D  # fused: O(N·D), log-sum-exp and gradients
+
+    def mask_bytes(self, B: int, H: int, N: int, causal: bool) -> int:
+        # math keeps its causal mask; sdpa_math, causal or not, up to four (N, N) bytes more (measured)
+        return 4 * N * N if self.backend == "sdpa_math" else N * N if causal and self.backend == "math" else 0
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
         if backend == "auto":

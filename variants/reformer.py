@@ -176,12 +176,16 @@ class Reformer(Attention):
                      useful=4 * B * H * D * self.allowed_pairs(N, causal))
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
-        if self.backend == "dense":
-            return super().memory_bytes(B, H, N, D, element_size, causal)
+        if self.backend == "dense":  # plus k̂ = q/‖q‖
+            return super().memory_bytes(B, H, N, D, element_size, causal) + element_size * B * H * N * D
         # Per round, in sorted order: score tiles (scores, probabilities, their gradients), gathered
-        # q, k̂, v windows and their gradients, plus int64 indices and O(N·D) outputs.
-        r, pairs = self.options.n_hashes, self.executed_pairs(N, causal)
-        return element_size * B * H * (4 * pairs + 10 * r * N * D + 6 * N * D) + 8 * B * H * r * N * 6
+        # q, k̂, v windows and their gradients, plus int64 indices and O(N·D) outputs; in float32 at
+        # least (the tiles of half inputs are float32).
+        r, pairs, a = self.options.n_hashes, self.executed_pairs(N, causal), max(element_size, 4)
+        return a * B * H * (4 * pairs + 10 * r * N * D + 6 * N * D) + 8 * B * H * r * N * 6
+
+    def mask_bytes(self, B: int, H: int, N: int, causal: bool) -> int:
+        return B * H * N * N  # the dense path's set, (B, H, N, N): it depends on q
 
     # ----- call ---------------------------------------------------------------------------------------
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
