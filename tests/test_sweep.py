@@ -127,12 +127,13 @@ def test_a_refused_job_makes_the_sweep_exit_1_and_the_others_complete(tmp_path):
 def test_a_multirun_with_a_refused_job_exits_1_without_the_script(tmp_path):
     """The harness itself says how a multirun ended (harness/hydra_hooks.py), so `python -m harness -m` with a
     value every job refuses is not exit 0."""
-    p = subprocess.run([sys.executable, "-m", "harness", "-m", *TINY, "seq_len=-5", f"hydra.sweep.dir={tmp_path}"],
+    p = subprocess.run([sys.executable, "-m", "harness", "-m", *TINY, "variant=linear", "causal=true",
+                        f"hydra.sweep.dir={tmp_path}"],
                        check=False, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "jobs: 1 (refused 1)" in p.stdout
     error = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert "seq_len" in error[0] and "not every job of the sweep completed" in error[-1], p.stderr
+    assert "causal" in error[0] and "not every job of the sweep completed" in error[-1], p.stderr
 
 
 def test_a_job_failing_in_the_harness_itself_still_ends_with_the_summary(tmp_path):
