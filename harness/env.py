@@ -34,6 +34,14 @@ class Environment:
     load_avg_1m: float | None  # the machine's load when the sweep started: others' work skews timings
     allocator: str  # CPU memory allocator (LD_PRELOAD): glibc page-faults every temporary over 32 MiB
     code_version: str | None  # the harness's git commit, "+dirty" with local changes (see code_version)
+    # In env.json only (not in each row): what else decides a number
+    python_version: str = ""
+    numpy_version: str | None = None
+    gpu_driver: str | None = None  # nvidia-smi's driver version, where it answers
+    # float32 matmuls: torch.get_float32_matmul_precision() ("highest": no TF32) and the TF32 switches of
+    # CUDA matmuls and cuDNN convolutions; a float32 timing on a GPU depends on them
+    float32_matmul_precision: str = ""
+    tf32: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -88,6 +96,11 @@ def collect(device: torch.device) -> Environment:
         load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         allocator=allocator(),
         code_version=code_version(),
+        python_version=platform.python_version(),
+        numpy_version=package_version("numpy"),
+        gpu_driver=nvidia_smi("driver_version") if cuda else None,
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+        tf32=f"matmul={torch.backends.cuda.matmul.allow_tf32}, cudnn={torch.backends.cudnn.allow_tf32}",
     )
 
 

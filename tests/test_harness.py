@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -62,6 +63,9 @@ def test_every_variant_config_runs_and_records_every_field(yaml, tmp_path):
         header = next(csv.reader(f))
     assert header[:len(FIELDS)] == list(FIELDS) and set(header) == set(row)
     assert (tmp_path / "env.json").exists() and not (tmp_path / "fit.json").exists()  # one length: no fit
+    env_json = json.loads((tmp_path / "env.json").read_text())
+    assert env_json["python_version"] == platform.python_version() and env_json["numpy_version"]
+    assert env_json["float32_matmul_precision"] == torch.get_float32_matmul_precision() and "matmul=" in env_json["tf32"]
 
 
 def test_code_version_is_the_commit_and_dirty_only_for_code(tmp_path, monkeypatch):
