@@ -6,7 +6,7 @@ same record feeds the console, wandb, ``results.jsonl``, ``results.csv`` and the
 the only place that reads or writes result files, and the only definition of what makes two rows the
 same point (``point_key``).
 
-What the store guarantees (the README's "Reliability" section lists the faults tried):
+What the store guarantees (docs/reliability.md lists the faults tried):
 - ``results.jsonl`` is append-only: a finished point is appended and flushed to disk before the next
   one starts; rows are never rewritten or deleted. A point measured again (``retry``) appends a new row
   that supersedes the earlier one; both stay in the file, the point counts once (the last row).
@@ -111,7 +111,7 @@ class Result:
     tflops_fwd_bwd: float | None
     tflops_fwd_bwd_useful: float | None
     density: float | None  # used score entries / N²
-    block_density: float | None  # computed key blocks / all blocks (mask-defined variants only)
+    block_density: float | None  # the layout's allowed key blocks / nb² (mask-defined variants only)
     # Fidelity against exact attention, float64 reference on the same q, k, v (harness/quality/fidelity.py)
     inputs: str | None  # gaussian | local | peaked: the distribution of q, k, v for fidelity
     fidelity_batch_size: int | None  # B of those q, k, v (fidelity.batch_size); None where fidelity is off

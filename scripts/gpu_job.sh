@@ -15,7 +15,8 @@
 #    directory, with repository-relative paths: `tar -xzf results.tar.gz` at the repository root),
 #    SUMMARY.md, junit-gpu.xml, tests-gpu.log, job.log.
 # Run the same command again (with the extracted results in place) until its last line says
-# "complete"; on an H100 the whole benchmark takes about half an hour.
+# "complete". No GPU has run it yet: the whole benchmark is estimated to take more than one 30-minute
+# window, so it resumes across calls.
 #
 # Environment: BENCH_DIR (default: the latest results/gpu/<UTC date>-<device> without a COMPLETE file,
 # else a new one for today), JOB_BUDGET_S, OUT, PYTHON,

@@ -294,7 +294,7 @@ def test_bad_options(options, expect):
 def test_trains_inside_the_model_and_leaves_wk_unused():
     """The task's model projects k, but reformer never reads it: W_k gets no gradient, every other
     parameter does. With N ≤ 2c every key is in a query's chunk or the one before, so the model is
-    strictly causal; beyond that the chunk boundaries depend on later positions (README)."""
+    strictly causal; beyond that the chunk boundaries depend on later positions (docs/variants.md)."""
     from harness.quality.model import TinyTransformer
 
     N = 28

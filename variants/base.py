@@ -152,7 +152,8 @@ class Attention(nn.Module):
         return self.allowed_pairs(seq_len, causal) / seq_len**2
 
     def block_density(self, seq_len: int, causal: bool = False) -> float | None:
-        """Computed key blocks over all nb² blocks; None for a variant without a block layout."""
+        """The layout's allowed key blocks over all nb² blocks (what the engine computes is counted by the
+        executed FLOPs); None for a variant without a block layout."""
         return None
 
     def flops(self, B: int, H: int, N: int, D: int, causal: bool = False,
@@ -169,7 +170,8 @@ class Attention(nn.Module):
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
         """Analytic estimate of the extra peak memory of forward+backward (q, k, v and the output
-        gradient, the inputs, excluded)."""
+        gradient, the inputs, excluded): an upper bound of the measured CPU peak, within 1.3× of it
+        (tests/test_memory_scaling.py::test_analytic_memory_bounds_the_measured_peak)."""
         # Dense attention's peak is the softmax backward: the saved probabilities P, dP and dS (three
         # score-sized tensors) beside the output and dV (two N×D); dq and dk come after it. Measured
         # exactly so (tests/test_harness.py). Plus the bool mask the dense path saves (masked_fill keeps
