@@ -294,6 +294,18 @@ def test_flops_and_facts():
         assert attn.flops(1, 2, 100, 16, True, "cpu") == attn.flops(1, 2, 100, 16, True)  # a CPU backend: no change
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_dilation_costs_the_window_not_window_times_dilation(causal):
+    """A dilated window computes about its w keys per row in the engine's order, not the w·d band: the
+    executed pairs stay near the useful ones at any dilation (O(N·(w + g)), as the contract says)."""
+    N, w = 4096, 64
+    plain = variants.build("sliding_window", window=w, global_tokens=8)
+    for d in (2, 8, 32):
+        sw = variants.build("sliding_window", window=w, dilation=d, global_tokens=8)
+        ratio = sw.executed_pairs(N, causal) / sw.allowed_pairs(N, causal)
+        assert ratio < 1.5 * plain.executed_pairs(N, causal) / plain.allowed_pairs(N, causal), (d, ratio)  # was ~d×
+
+
 def test_facts_default_in_the_base_class():
     """What the harness asks every variant, answered by the defaults or the variant's own override."""
     full = variants.build("full", backend="math")

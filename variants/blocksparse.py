@@ -372,6 +372,17 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, sca
     return BlockSparseAttention.apply(q, k, v, plan, scale, save_probs)
 
 
+def _reordered(pred: Predicate, order: Tensor) -> Predicate:
+    """``pred`` on engine positions: allowed(order[p], order[p']); past N (a padded block) as position N."""
+    extended = torch.cat([order, torch.tensor([len(order)])])
+
+    def allowed(i: Tensor, j: Tensor) -> Tensor:
+        n = len(order)
+        return pred(extended[i.clamp(max=n)], extended[j.clamp(max=n)])
+
+    return allowed
+
+
 class MaskedAttention(Attention):
     """Base of the mask-defined variants (blockwise, sliding_window, sparse).
 
@@ -407,14 +418,27 @@ class MaskedAttention(Attention):
         """Leading query blocks that see (almost) every key: planned as their own group."""
         return 0
 
+    def engine_order(self, seq_len: int) -> Tensor | None:
+        """(N,) the positions in the order the engine runs them (its position p is position order[p]),
+        or None: as they are. Where given, ``engine_layout`` is the layout in that order; the predicate
+        is carried over, and causality too, provided the order keeps every allowed pair's j ≤ i order."""
+        return None
+
+    def engine_layout(self, seq_len: int, causal: bool) -> Tensor:
+        """The layout in ``engine_order`` (causal not applied)."""
+        return self.layout(seq_len, causal)
+
     # What follows from it ---------------------------------------------------------------------------
     def plan(self, seq_len: int, causal: bool) -> BlockPlan:
         key = (seq_len, causal)
         if key not in self._plans:
-            lay = self.layout(seq_len, causal)
+            order, pred = self.engine_order(seq_len), self.predicate(seq_len, causal)
+            lay = self.layout(seq_len, causal) if order is None else self.engine_layout(seq_len, causal)
+            if order is not None and pred is not None:  # engine positions p, p' are positions order[p], order[p']
+                pred = _reordered(pred, order)
             lay = causal_blocks(lay) if causal else lay
             self._plans[key] = BlockPlan.build(lay, seq_len, self.engine_block_size(seq_len), causal,
-                                               self.dense_rows(seq_len), self.predicate(seq_len, causal))
+                                               self.dense_rows(seq_len), pred)
         return self._plans[key]
 
     def element_predicate(self, seq_len: int, causal: bool) -> Predicate:
@@ -458,7 +482,9 @@ class MaskedAttention(Attention):
         loop = a * (2 * scores + copied + copied // 2) + scores
         end = 3 * element_size * BH * N * D if copies else 0
         saved = a * BH * self.executed_pairs(N, causal) if self.save_probabilities else 0  # the probability tiles
-        return BH * per_head + max(loop, end) + saved
+        # In another order (engine_order): q, k, v and the output reordered, and a gradient on the way back
+        reordered = 5 * element_size * BH * N * D if self.engine_order(N) is not None else 0
+        return BH * per_head + max(loop, end) + saved + reordered
 
     def block_density(self, seq_len: int, causal: bool = False) -> float:
         """Allowed key blocks over all nb² blocks (the block-sparse layout's density)."""
@@ -473,4 +499,10 @@ class MaskedAttention(Attention):
             from .flex import flex_forward
 
             return flex_forward(self, q, k, v, causal)
-        return block_sparse_attention(q, k, v, self.plan(N, causal), scale, self.save_probabilities)
+        order = self.engine_order(N)
+        if order is None:
+            return block_sparse_attention(q, k, v, self.plan(N, causal), scale, self.save_probabilities)
+        order = order.to(q.device)
+        q, k, v = (t.index_select(2, order) for t in (q, k, v))  # (B, H, N, D) in the engine's order
+        out = block_sparse_attention(q, k, v, self.plan(N, causal), scale, self.save_probabilities)
+        return out.index_select(2, torch.argsort(order))  # back in the positions' order

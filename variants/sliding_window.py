@@ -4,14 +4,18 @@ allowed(i, j) = (|i − j| ≤ w·d and (i − j) mod d == 0) or i < g or j < g
 
 ``window`` is one-sided: a non-causal query sees up to 2w+1 local keys, a causal one w+1. Longformer's
 "attention window 512" is ``window=256``. The first g positions are global (symmetric, shared
-projections). The efficient path runs the block-sparse engine on the band of blocks within w·d of the
-diagonal plus the global blocks: O(N·(w·d + g)) time and memory, never an N×N tensor.
+projections). The efficient path runs the block-sparse engine on the band of blocks within w of the
+diagonal plus the global blocks: O(N·(w + g)) time and memory, never an N×N tensor. With dilation d the
+engine runs the positions in another order (``engine_order``): the global ones, then each residue class
+mod d in turn, in which a query's local keys are its w neighbours on either side, so the band it computes
+is w wide, not w·d (every d-th key of a w·d band).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from .base import require
@@ -49,6 +53,10 @@ class SlidingWindow(MaskedAttention):
     # recomputing them: one matmul of five and the mask and exp passes spared in the backward.
     save_probabilities = True
 
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self._orders: dict[int, Tensor] = {}  # N -> engine_order
+
     def backend_names(self) -> list[str]:
         # xformers' local bias is a plain band: offered only where the pattern is one.
         o = self.options
@@ -60,13 +68,31 @@ class SlidingWindow(MaskedAttention):
         return False
 
     def engine_block_size(self, seq_len: int) -> int:
-        # Small blocks waste less of the band's corners; 64 keeps the tile matmuls efficient.
-        return 64 if self.options.window * self.options.dilation >= 32 else 16
+        # Small blocks waste less of the band's corners; 64 keeps the tile matmuls efficient. The engine's
+        # band is w wide (engine_order), whatever the dilation.
+        return 64 if self.options.window >= 32 else 16
 
     def layout(self, seq_len: int, causal: bool) -> Tensor:
         o = self.options
         b = self.engine_block_size(seq_len)
         return window_layout(num_blocks(seq_len, b), b, o.window, o.dilation, o.global_tokens)
+
+    def engine_order(self, seq_len: int) -> Tensor | None:
+        """With dilation d > 1: the g global positions, then positions i ≥ g by (i mod d, i). Allowed local
+        pairs are one class apart by multiples of d, so in this order they are at most w apart, and their
+        order is kept (causality holds as j ≤ i in either order; global pairs keep it too)."""
+        d, g = self.options.dilation, min(self.options.global_tokens, seq_len)
+        if d == 1:
+            return None
+        if seq_len not in self._orders:
+            i = torch.arange(g, seq_len)
+            self._orders[seq_len] = torch.cat([torch.arange(g), i[torch.argsort((i % d) * seq_len + i)]])
+        return self._orders[seq_len]
+
+    def engine_layout(self, seq_len: int, causal: bool) -> Tensor:
+        o = self.options
+        b = self.engine_block_size(seq_len)
+        return window_layout(num_blocks(seq_len, b), b, o.window, 1, o.global_tokens)  # a w band in engine order
 
     def predicate(self, seq_len: int, causal: bool) -> Predicate:
         o = self.options
