@@ -101,7 +101,8 @@ class Result:
     peak_mem_per_rank_bytes: list | None
     bytes_sent_per_rank: list | None
     # Work: forward FLOPs executed (whole blocks, masked entries) and useful (allowed pairs); backward is
-    # counted as 2.5x forward, forward+backward as 3.5x
+    # counted as 2.5x forward, forward+backward as 3.5x, for every backend (FlashAttention's convention:
+    # a backward that recomputes the scores; one that keeps them executes 2x: docs/measurement.md)
     flops_fwd: int | None
     flops_fwd_useful: int | None
     tflops_fwd: float | None
