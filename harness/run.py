@@ -396,7 +396,8 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
                    tflops_fwd_bwd=tflops(int((1 + k) * f), rec["fwd_bwd_ms"]),
                    tflops_fwd_bwd_useful=tflops(int((1 + k) * fu), rec["fwd_bwd_ms"]))
     if rec["status"] == "ok":
-        quality(attn, s, seq_len, device, rec, on_phase, task_log, task_cache if task_cache is not None else {})
+        quality(attn, s, seq_len, device, rec, on_phase, task_log, task_cache if task_cache is not None else {},
+                budget=budget)
     failed = "reason" if rec["status"] == "error" else "quality_reason" if rec.get("quality_reason") else None
     if failed and device_lost(device):
         LOST.append(f"N={seq_len}")

@@ -259,6 +259,19 @@ def test_full_math_memory_reproduces_the_n_squared_term(tmp_path):
 
 # ----- failures are results ------------------------------------------------------------------------
 
+def test_fidelity_over_the_memory_budget_is_skipped_with_its_reason(tmp_path):
+    """Fidelity runs the variant at fidelity.batch_size and a float64 reference: on the CPU, where the
+    kernel's OOM killer cannot be caught, a fidelity that would pass the budget is not run (the point's
+    timing stays; quality_reason says why)."""
+    # full math at N=512, B=1, H=2: about 6.4 MB timed; fidelity at batch 64: the variant alone ~400 MB.
+    cfg = compose_cfg("variant=full", "variant.backend=math", "seq_lens=[512]", "num_heads=2", "head_dim=16",
+                      "memory_budget_gb=0.2", "fidelity.batch_size=64", "measure.min_run_time=0.01", "logger=none")
+    run(cfg, output_dir=tmp_path)
+    (row,) = rows_of(tmp_path)
+    assert row["status"] == "ok" and row["fwd_ms"] > 0 and row["out_rel_err"] is None
+    assert row["quality_reason"].startswith("fidelity: analytic memory") and "memory_budget_gb" in row["quality_reason"]
+
+
 def test_point_over_memory_budget_is_skipped_and_the_next_runs(tmp_path):
     # full math at N=1024 needs about 3·2·1024²·4 bytes = 25 MB; N=64 about 0.1 MB. Budget: 1 MB.
     cfg = compose_cfg("variant=full", "variant.backend=math", "seq_lens=[1024,64]", "num_heads=2", "head_dim=16",

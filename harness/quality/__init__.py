@@ -47,13 +47,19 @@ def task_options(settings: Settings, attn: variants.Attention, seq_len: int) -> 
 
 
 def quality(attn: variants.Attention, s: Settings, seq_len: int, device: torch.device, rec: dict[str, Any],
-            on_phase, task_log, task_cache: dict[int, dict[str, Any]]) -> None:
+            on_phase, task_log, task_cache: dict[int, dict[str, Any]], budget: int | None = None) -> None:
     """Fidelity and task numbers into ``rec``. A failure here (out of memory in the float64 reference,
-    a task that diverges) leaves the timing intact: the numbers stay None and ``quality_reason`` says why."""
+    a task that diverges) leaves the timing intact: the numbers stay None and ``quality_reason`` says why.
+    ``budget``: bytes (the CPU's memory_budget_gb), which fidelity's analytic memory must not pass."""
     reasons = []
     if s.fidelity.enabled:
+        needed = fidelity_memory_bytes(attn, s, seq_len)
         if s.fidelity.max_seq_len is not None and seq_len > s.fidelity.max_seq_len:
             reasons.append(f"fidelity: N > fidelity.max_seq_len={s.fidelity.max_seq_len}")
+        elif budget is not None and needed > budget:
+            reasons.append(f"fidelity: analytic memory {needed / 1e9:.3g} GB (fidelity.batch_size="
+                           f"{s.fidelity.batch_size}, float64 reference) exceeds the memory budget "
+                           f"{budget / 1e9:.3g} GB (memory_budget_gb)")
         else:
             on_phase("fidelity")
             reasons.append(guarded("fidelity", device, lambda: rec.update(point_fidelity(attn, s, seq_len, device))))
@@ -72,6 +78,17 @@ def quality(attn: variants.Attention, s: Settings, seq_len: int, device: torch.d
         reasons.append(guarded("task", device, train))
     reasons = [r for r in reasons if r]
     rec["quality_reason"] = "; ".join(reasons) or None
+
+
+def fidelity_memory_bytes(attn: variants.Attention, s: Settings, seq_len: int) -> int:
+    """Analytic peak of fidelity at ``fidelity.batch_size``: the larger of the variant's forward+backward
+    (in the run's dtype) and its float64 exact counterpart's, beside the inputs, output and gradients of
+    both (the variant's kept while the reference runs)."""
+    B, H, N, D = s.fidelity.batch_size, s.num_heads, seq_len, s.head_dim
+    e = torch.empty((), dtype=s.torch_dtype).element_size()
+    reference = attn.exact_counterpart(s.fidelity.block_size)
+    return (max(attn.memory_bytes(B, H, N, D, e, s.causal), reference.memory_bytes(B, H, N, D, 8, s.causal))
+            + B * H * N * D * (8 * e + 8 * 8))
 
 
 def guarded(what: str, device: torch.device, fn) -> str | None:
