@@ -279,9 +279,9 @@ def stopped_by(rows: Iterable[Mapping[str, Any]], seq_len: int) -> str | None:
     if first is None:
         return None
     reason = first.get("reason") or ""
-    cause = reason.split(" (stop_on_oom")[0] if reason.startswith("not run:") else (
+    cause = reason.split(f" ({STOPPED}")[0] if reason.startswith("not run:") else (
         f"not run: N={first['seq_len']} was {first['status']}")
-    return f"{cause} (stop_on_oom: a longer sequence needs more memory; stop_on_oom=false runs it anyway)"
+    return f"{cause} ({STOPPED}: a longer sequence needs more memory; stop_on_oom=false runs it anyway)"
 
 
 def variant_label(attn: variants.Attention) -> str:
@@ -296,6 +296,9 @@ def retried(row: Mapping[str, Any], retry: tuple[str, ...]) -> bool:
     return row["status"] in retry or ("noisy" in retry and bool(row.get("noisy")))
 
 
+STOPPED = "stop_on_oom"  # in the reason of a point skipped because a shorter one did not fit
+
+
 def lacking(row: Mapping[str, Any], s: Settings, here: tuple[Any, Any] | None = None) -> list[str]:
     """What this run measures that a stored point lacks: a time or memory measured on this machine
     (``here``: its ``machine``; a stored oom or skip belongs to its machine too), or, at an ok point, a
@@ -304,6 +307,8 @@ def lacking(row: Mapping[str, Any], s: Settings, here: tuple[Any, Any] | None = 
     if here is not None and (s.measure.passes or s.measure.memory) and machine(row) != here:
         name, threads = machine(row)
         return [f"measurement on this machine (it was measured on {name}{f', {threads} threads' if threads else ''})"]
+    if row["status"] == "skipped" and not s.stop_on_oom and STOPPED in (row.get("reason") or ""):
+        return ["a measurement (stop_on_oom had skipped it; stop_on_oom=false runs it)"]
     if row["status"] != "ok":
         return []
     lacks = [f"{name} time" for name in s.measure.passes if row.get(f"{name}_ms") is None]

@@ -17,7 +17,7 @@ from harness import env as envmod
 from harness import run as runmod
 from harness.env import code_version
 from harness.memory import cpu_peak_bytes
-from harness.results import FIELDS, fit_exponents, read_jsonl, series_key
+from harness.results import FIELDS, fit_exponents, latest, read_jsonl, series_key
 from harness.config import ConfigError, variant_names
 from harness.run import run, validate
 from variants import VariantError
@@ -419,6 +419,13 @@ def test_stop_on_oom_records_the_longer_lengths_skipped_without_running_them(tmp
     ran.clear()
     run(compose_cfg(*common, "seq_lens=[256,64,128]", "stop_on_oom=false"), output_dir=tmp_path / "all")
     assert ran == [256, 64, 128]
+    # As the skip's reason says: rerun with stop_on_oom=false into the same directory, and the points it
+    # skipped are run (the oom stays: retry=[oom] measures it again); their new rows supersede the skips.
+    ran.clear()
+    run(compose_cfg(*common, "seq_lens=[256,64,128,512]", "stop_on_oom=false"), output_dir=tmp_path)
+    assert ran == [256, 512]
+    assert {r["seq_len"]: r["status"] for r in latest(rows_of(tmp_path))} == {64: "ok", 128: "oom", 256: "oom",
+                                                                              512: "oom", 1024: "skipped"}
 
 
 def test_tokens_per_batch_and_model_dim_set_b_and_h_per_point(tmp_path):
