@@ -20,6 +20,7 @@ from harness.memory import cpu_peak_bytes
 from harness.results import FIELDS, fit_exponents, latest, read_jsonl, series_key
 from harness.config import ConfigError, variant_names
 from harness.run import run, validate
+import variants
 from variants import VariantError
 
 from .conftest import CONF, ROOT, VARIANT_YAMLS
@@ -270,6 +271,26 @@ def test_fidelity_over_the_memory_budget_is_skipped_with_its_reason(tmp_path):
     (row,) = rows_of(tmp_path)
     assert row["status"] == "ok" and row["fwd_ms"] > 0 and row["out_rel_err"] is None
     assert row["quality_reason"].startswith("fidelity: analytic memory") and "memory_budget_gb" in row["quality_reason"]
+
+
+@pytest.mark.parametrize("yaml", VARIANT_YAMLS, ids=lambda p: p.stem)
+def test_fidelity_memory_is_estimated_for_every_variant(yaml):
+    """Every variant's fidelity estimate exists (its exact counterpart says its memory: reformer's is not
+    an Attention) and bounds the measured peak of the float64 reference."""
+    from harness.config import settings_from_config
+    from harness.quality import fidelity_memory_bytes
+
+    s = settings_from_config(compose_cfg(f"variant={yaml.stem}", *TINY))
+    attn = variants.build(yaml.stem, **({"max_seq_len": 512} if yaml.stem == "linear" else {}))
+    assert fidelity_memory_bytes(attn, s, 512) > 0
+    reference = attn.exact_counterpart(s.fidelity.block_size)
+    q, k, v = (t.double().detach().requires_grad_() for t in torch.randn(3, 1, 2, 512, 16))
+    grad = torch.randn(1, 2, 512, 16, dtype=torch.float64)
+
+    def step():
+        reference(q, k, v).backward(grad)
+
+    assert cpu_peak_bytes(step) <= reference.memory_bytes(1, 2, 512, 16, 8)
 
 
 def test_point_over_memory_budget_is_skipped_and_the_next_runs(tmp_path):

@@ -290,6 +290,11 @@ class SharedQKFull(nn.Module):
         super().__init__()
         self.block_size = block_size
 
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+        """A block's scores, probabilities and their gradient, its (R, N) mask, k̂, the output and gradients."""
+        R = min(self.block_size, N)
+        return element_size * B * H * (3 * R * N + 6 * N * D) + 2 * R * N
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
         khat = normalise(q)
         N, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])

@@ -53,10 +53,9 @@ def quality(attn: variants.Attention, s: Settings, seq_len: int, device: torch.d
     ``budget``: bytes (the CPU's memory_budget_gb), which fidelity's analytic memory must not pass."""
     reasons = []
     if s.fidelity.enabled:
-        needed = fidelity_memory_bytes(attn, s, seq_len)
         if s.fidelity.max_seq_len is not None and seq_len > s.fidelity.max_seq_len:
             reasons.append(f"fidelity: N > fidelity.max_seq_len={s.fidelity.max_seq_len}")
-        elif budget is not None and needed > budget:
+        elif budget is not None and (needed := fidelity_memory_bytes(attn, s, seq_len)) > budget:
             reasons.append(f"fidelity: analytic memory {needed / 1e9:.3g} GB (fidelity.batch_size="
                            f"{s.fidelity.batch_size}, float64 reference) exceeds the memory budget "
                            f"{budget / 1e9:.3g} GB (memory_budget_gb)")
