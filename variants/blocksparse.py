@@ -400,6 +400,7 @@ class MaskedAttention(Attention):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._plans: dict[tuple[int, bool], BlockPlan] = {}
+        self._orders_on: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}  # (N, device) -> order, inverse
         self.block_masks = BlockMasks()  # the flex backend's, per (N, causal, device)
 
     # What a subclass defines ------------------------------------------------------------------------
@@ -499,10 +500,18 @@ class MaskedAttention(Attention):
             from .flex import flex_forward
 
             return flex_forward(self, q, k, v, causal)
-        order = self.engine_order(N)
-        if order is None:
+        if self.engine_order(N) is None:
             return block_sparse_attention(q, k, v, self.plan(N, causal), scale, self.save_probabilities)
-        order = order.to(q.device)
+        order, back = self._order_on(N, q.device)
         q, k, v = (t.index_select(2, order) for t in (q, k, v))  # (B, H, N, D) in the engine's order
         out = block_sparse_attention(q, k, v, self.plan(N, causal), scale, self.save_probabilities)
-        return out.index_select(2, torch.argsort(order))  # back in the positions' order
+        return out.index_select(2, back)  # back in the positions' order
+
+    def _order_on(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``engine_order`` and its inverse on ``device``, copied once (a copy per call from pageable host
+        memory would wait for the device's queue)."""
+        key = (seq_len, str(device))
+        if key not in self._orders_on:
+            order = self.engine_order(seq_len)
+            self._orders_on[key] = order.to(device), torch.argsort(order).to(device)
+        return self._orders_on[key]
