@@ -29,6 +29,14 @@ from omegaconf import OmegaConf
 log = logging.getLogger(__name__)
 
 
+def cannot_submit(e: Exception) -> None:
+    """Nothing was submitted: one line and exit 1 (Hydra would print the submission's traceback)."""
+    from harness.config import one_line
+
+    print(f"error: hydra/launcher=slurm submitted nothing: {one_line(e)[:400]}", file=sys.stderr)
+    sys.exit(1)
+
+
 class SlurmLauncher(SubmititSlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
@@ -36,10 +44,13 @@ class SlurmLauncher(SubmititSlurmLauncher):
         assert self.config is not None and self.hydra_context is not None
         # The executor and its parameters as the plugin builds them (SubmititLauncher.launch).
         params = dict(self.params)
-        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=params.pop("submitit_folder"),
-                                         slurm_max_num_timeout=params.pop("max_num_timeout"))
-        base = set(OmegaConf.structured(BaseQueueConf).keys())
-        executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
+        try:
+            executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=params.pop("submitit_folder"),
+                                             slurm_max_num_timeout=params.pop("max_num_timeout"))
+            base = set(OmegaConf.structured(BaseQueueConf).keys())
+            executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
+        except Exception as e:  # no SLURM here (no srun/sbatch), a parameter submitit refuses
+            cannot_submit(e)
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {self.config.hydra.sweep.dir}")
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -48,9 +59,12 @@ class SlurmLauncher(SubmititSlurmLauncher):
         nums = range(initial_job_idx, initial_job_idx + len(job_overrides))
         for num, overrides in zip(nums, job_overrides):
             log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
-        jobs = executor.map_array(self, [list(o) for o in job_overrides], ["hydra.sweep.dir"] * len(nums),
-                                  list(nums), [f"job_id_for_{n}" for n in nums],
-                                  [Singleton.get_state()] * len(nums))
+        try:
+            jobs = executor.map_array(self, [list(o) for o in job_overrides], ["hydra.sweep.dir"] * len(nums),
+                                      list(nums), [f"job_id_for_{n}" for n in nums],
+                                      [Singleton.get_state()] * len(nums))
+        except Exception as e:  # sbatch refused the array (no controller, a bad partition or account)
+            cannot_submit(e)
         for job in jobs:  # every job ends before any is judged: none is left running unwatched
             job.wait()
         return [self._outcome(job, list(overrides), num) for job, overrides, num in zip(jobs, job_overrides, nums)]

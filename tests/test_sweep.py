@@ -360,3 +360,16 @@ def test_the_last_line_tells_a_refusal_from_what_a_rerun_resumes(tmp_path, monke
     (tmp_path / "b" / "status.json").write_text(json.dumps({"state": "completed"}))
     assert not_complete_line(line).endswith("; a job refused for its input is refused again by the same command: "
                                             "change that input first")
+
+
+def test_slurm_launcher_without_slurm_is_one_line(tmp_path):
+    """On a machine without SLURM (no srun, sbatch on PATH) hydra/launcher=slurm submits nothing: one
+    line naming why, exit 1, not the submission's traceback."""
+    p = subprocess.run([sys.executable, "-m", "harness", "-m", *TINY, "variant=full", "hydra/launcher=slurm",
+                        "hydra.launcher.gpus_per_node=null", f"hydra.sweep.dir={tmp_path}"],
+                       check=False, cwd=ROOT, env=env(PATH=str(tmp_path / "no-slurm-here")), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "Traceback" not in p.stdout + p.stderr, p.stderr
+    (line,) = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: hydra/launcher=slurm submitted nothing: ") and "srun" in line, line
