@@ -536,6 +536,14 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
         warn(f"{path}: {sum(len(ms) > 1 for ms in machines_of.values())} point(s) were timed on more than one "
              f"machine ({names}); each is drawn from its last row, so a series can mix machines. Give the "
              f"report one machine's results")
+    versions_of: dict[Series, set[str]] = {}  # series -> the code versions of its points' rows
+    for r in points:
+        versions_of.setdefault(series_key(r), set()).add(str(r.get("code_version")))
+    mixed_code = [v for v in versions_of.values() if len(v) > 1]
+    if mixed_code:  # a resumed run keeps the points measured before a change of code
+        warn(f"{path}: {len(mixed_code)} series mix code versions ({', '.join(sorted(set().union(*mixed_code)))}): "
+             f"a resumed run keeps the points measured before; resume=false (or a new directory) measures a "
+             f"series with one")
     shared = [files for files in files_of.values() if len(files) > 1]
     if shared:
         warn(f"{path}: {len(shared)} point(s) are in more than one results file (e.g. "

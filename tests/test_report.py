@@ -127,6 +127,20 @@ def test_fitted_exponent_recovers_known_slope(made):
         == pytest.approx(1.0, abs=1e-9)
 
 
+def test_a_series_measured_by_two_code_versions_is_said(tmp_path):
+    """A resumed run keeps its earlier points: a series whose points come from two commits is one notice,
+    naming them; one code version is no notice."""
+    write_sweep(tmp_path, [[row("full", "sdpa", 64, fwd=1.0, code_version="aaaaaaaaaaaa"),
+                            row("full", "sdpa", 128, fwd=2.0, code_version="bbbbbbbbbbbb+dirty"),
+                            row("full", "math", 64, fwd=1.0, code_version="aaaaaaaaaaaa"),
+                            row("full", "math", 128, fwd=2.0, code_version="aaaaaaaaaaaa")]])
+    said = []
+    assert len(load_rows(tmp_path, warn=said.append)) == 4
+    assert said == [f"{tmp_path}: 1 series mix code versions (aaaaaaaaaaaa, bbbbbbbbbbbb+dirty): a resumed run "
+                    f"keeps the points measured before; resume=false (or a new directory) measures a series "
+                    f"with one"], said
+
+
 def test_a_point_in_two_files_is_said_apart_from_one_measured_again(tmp_path):
     """Two job directories with the same point (jobs differing only in measure.timer, or two machines)
     are two runs of it, not a re-measurement: the notice names the files."""
