@@ -8,7 +8,6 @@ allowed values, exit code 2, and nothing written. Ctrl-C and SIGTERM end a run a
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -37,7 +36,7 @@ def hydra_main(cfg: DictConfig) -> None:
     from variants import VariantError
 
     from harness.config import ConfigError, one_line
-    from harness.hydra_hooks import record_refused
+    from harness.hydra_hooks import REFUSED_INPUT, record_refused
     from harness.results import JobStatus
     from harness.run import DirectoryInUse, RunFailed, RunInterrupted, run
 
@@ -88,12 +87,6 @@ def hydra_main(cfg: DictConfig) -> None:
               file=sys.stderr)
 
 
-# How a refused job's line in the sweep's refused-jobs.jsonl starts when its directory holds another job's
-# results or status (not when another command's run holds it): refused for its input, refused again by a rerun.
-REFUSED_INPUT = "refused for its input (its directory holds another job's results): "
-RESUME = "; rerun the same command to resume"  # how harness.hydra_hooks' line for an incomplete multirun ends
-
-
 def holds_another_job(job_dir: Path, num: int) -> bool:
     """Whether a job directory holds what another job wrote: results, a live run, or a status.json other
     than this job's own earlier refusal (a rerun's refusal replaces that one)."""
@@ -102,30 +95,6 @@ def holds_another_job(job_dir: Path, num: int) -> bool:
     info = job_state(job_dir)
     return ((job_dir / "results.jsonl").exists() or DirectoryLock.is_held(job_dir) or
             (info["state"] != "no status" and (info["state"], info.get("job")) != ("refused", num)))
-
-
-def not_complete_line(line: str) -> str:
-    """harness.hydra_hooks' line for a multirun not every job of which completed, whose "rerun the same
-    command to resume" is not so for a job refused for its input: the same command refuses it again."""
-    from harness.hydra_hooks import MULTIRUN, REFUSED, STARTED, job_states
-
-    if not MULTIRUN or not line.endswith(RESUME):
-        return line
-    root = Path(MULTIRUN[-1])
-    states = list(job_states(root, STARTED[-1] if STARTED else None).values())
-    try:
-        listed = [json.loads(x).get("error", "") for x in (root / REFUSED).read_text().splitlines() if x.strip()]
-    except (OSError, ValueError):
-        listed = []
-    refused = states.count("refused") + sum(str(error).startswith(REFUSED_INPUT) for error in listed)
-    if not refused:
-        return line
-    rest = len(states) + len(listed) - states.count("completed") - refused
-    head = line.removesuffix(RESUME)
-    if not rest:
-        return f"{head}; a job refused for its input is refused again by the same command: change that input first"
-    return (f"{head}; rerun the same command to resume the jobs that did not finish (a job refused for its input "
-            f"is refused again until that input changes)")
 
 
 def terminate(signum, frame) -> None:
@@ -162,7 +131,7 @@ def main() -> None:
         from harness.hydra_hooks import NOT_COMPLETE
 
         if NOT_COMPLETE:  # a multirun whose every job ran, but not every one completed
-            fail(not_complete_line(NOT_COMPLETE[0]), 1)
+            fail(NOT_COMPLETE[0], 1)
     except KeyboardInterrupt as e:  # before, between or after runs (startup, composing, a sweep's end)
         name, code = (e.NAME, e.EXIT_CODE) if isinstance(e, Terminated) else ("Ctrl-C", 130)
         # Loaded by Hydra when a multirun started; not imported here (the signal may have cut its import short).

@@ -27,6 +27,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 REFUSED = "refused-jobs.jsonl"
+# How a line of REFUSED starts for a job refused for its input in a directory another job of the sweep wrote
+# (jobs differing only in seq_lens share one), not because another command's run holds it.
+REFUSED_INPUT = "refused for its input (its directory holds another job's results): "
 # What the multirun that just ended says when one of its jobs did not complete (harness.__main__ exits 1).
 NOT_COMPLETE: list[str] = []
 # The sweep directory of a multirun started in this process (its jobs may run in others: joblib, SLURM).
@@ -81,12 +84,30 @@ class Hooks(Callback):
             return
         states = collections.Counter(job_states(root, STARTED[-1] if STARTED else None).values())
         refused = root / REFUSED
-        if refused.exists():  # each a job whose directory another job's status.json speaks for
-            states["refused (directory in use)"] += len(refused.read_text().splitlines())
+        if refused.exists():  # jobs that could not say so in their own directory
+            for line in refused.read_text().splitlines():
+                try:
+                    error = str(json.loads(line).get("error", ""))
+                except ValueError:
+                    error = ""
+                states["refused" if error.startswith(REFUSED_INPUT) else "refused (directory in use)"] += 1
         if not states:
             return
         summary = f"jobs: {sum(states.values())} ({', '.join(f'{s} {n}' for s, n in sorted(states.items()))})"
         print(summary, flush=True)
         if set(states) - {"completed"}:
-            NOT_COMPLETE.append(f"not every job of the sweep completed ({summary}; see each job's status.json "
-                                f"and the lines above); rerun the same command to resume")
+            NOT_COMPLETE.append(not_complete_line(summary, states))
+
+
+def not_complete_line(summary: str, states: collections.Counter) -> str:
+    """The last line of a multirun not every job of which completed. A job refused for its input
+    ("refused") is refused again by the same command; the others (interrupted, failed, gone, refused
+    because another command's run held the directory) resume."""
+    head = f"not every job of the sweep completed ({summary}; see each job's status.json and the lines above)"
+    resumable = sum(n for state, n in states.items() if state not in ("completed", "refused"))
+    if not states["refused"]:
+        return f"{head}; rerun the same command to resume"
+    if not resumable:
+        return f"{head}; a job refused for its input is refused again by the same command: change that input first"
+    return (f"{head}; rerun the same command to resume the jobs that did not finish (a job refused for its input "
+            f"is refused again until that input changes)")

@@ -311,7 +311,7 @@ def test_a_job_refused_in_a_directory_another_job_completed_leaves_its_status_an
     assert p.returncode == 1, p.stdout + p.stderr
     (status,) = tmp_path.glob("*/status.json")
     assert json.loads(status.read_text())["state"] == "completed"
-    assert "jobs: 2 (completed 1, refused (directory in use) 1)" in p.stdout, p.stdout
+    assert "jobs: 2 (completed 1, refused 1)" in p.stdout, p.stdout
     (refused,) = [json.loads(x) for x in (tmp_path / "refused-jobs.jsonl").read_text().splitlines()]
     assert refused["job"] == 1 and "seq_len=16 is too short" in refused["error"], refused
     error = [line for line in p.stderr.splitlines() if line.startswith("error:")]
@@ -338,28 +338,21 @@ def test_a_multirun_whose_job_is_refused_at_run_time_exits_1_and_says_a_rerun_re
     assert not (tmp_path / "x").exists()
 
 
-def test_the_last_line_tells_a_refusal_from_what_a_rerun_resumes(tmp_path, monkeypatch):
-    from harness import hydra_hooks
-    from harness.__main__ import REFUSED_INPUT, not_complete_line
+def test_the_last_line_tells_a_refusal_from_what_a_rerun_resumes():
+    """A job refused for its input is refused again by the same command; interrupted jobs, and jobs
+    refused because another command's run held their directory, resume."""
+    from collections import Counter
 
-    for job, state in (("a", "completed"), ("b", "interrupted")):
-        (tmp_path / job).mkdir()
-        (tmp_path / job / "status.json").write_text(json.dumps({"state": state}))
-    monkeypatch.setattr(hydra_hooks, "MULTIRUN", [str(tmp_path)])
-    monkeypatch.setattr(hydra_hooks, "STARTED", [])
-    line = ("not every job of the sweep completed (jobs: 3 (completed 1, interrupted 1, refused (directory in use) 1); "
-            "see each job's status.json and the lines above); rerun the same command to resume")
-    # another command's run held the third job's directory: a rerun runs it once that run has ended
-    (tmp_path / hydra_hooks.REFUSED).write_text(json.dumps({"job": 2, "overrides": "", "error": "in use"}) + "\n")
-    assert not_complete_line(line) == line
-    # the third was refused for its input in a directory another job wrote: a rerun refuses it again
-    (tmp_path / hydra_hooks.REFUSED).write_text(json.dumps({"job": 2, "overrides": "", "error": REFUSED_INPUT}) + "\n")
-    assert not_complete_line(line) == line.removesuffix("; rerun the same command to resume") + (
+    from harness.hydra_hooks import not_complete_line
+
+    head = "not every job of the sweep completed (S; see each job's status.json and the lines above)"
+    resumable = Counter({"completed": 1, "interrupted": 1, "refused (directory in use)": 1})
+    assert not_complete_line("S", resumable) == head + "; rerun the same command to resume"
+    assert not_complete_line("S", resumable + Counter(refused=1)) == head + (
         "; rerun the same command to resume the jobs that did not finish (a job refused for its input is refused "
         "again until that input changes)")
-    (tmp_path / "b" / "status.json").write_text(json.dumps({"state": "completed"}))
-    assert not_complete_line(line).endswith("; a job refused for its input is refused again by the same command: "
-                                            "change that input first")
+    assert not_complete_line("S", Counter(completed=2, refused=1)) == head + (
+        "; a job refused for its input is refused again by the same command: change that input first")
 
 
 def test_slurm_launcher_without_slurm_is_one_line(tmp_path):
