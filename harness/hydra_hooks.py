@@ -46,10 +46,9 @@ def job_states(root: Path, since: float | None = None) -> dict[Path, str]:
     """Every job directory under a sweep directory (one with results.jsonl or status.json; a report's
     folders excluded) -> its state; with ``since`` (a time.time()), only those whose files changed after
     it: the jobs of the multirun that started then, not those an earlier sweep left in the directory."""
-    from harness.results import job_state  # "gone": said running, but no live process holds it
+    from harness.results import job_state, report_output  # "gone": said running, but no live process holds it
 
-    files = [p for name in ("results.jsonl", "status.json") for p in root.rglob(name)
-             if "report" not in p.parent.relative_to(root).parts]
+    files = [p for name in ("results.jsonl", "status.json") for p in root.rglob(name) if not report_output(p, root)]
     jobs = {p.parent for p in files if since is None or p.stat().st_mtime >= since - CLOCK_SLACK_S}
     return {job: str(job_state(job).get("state", "?")) for job in sorted(jobs)}
 
