@@ -46,7 +46,7 @@ def hydra_main(cfg: DictConfig) -> None:
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         # A SLURM job (hydra/launcher=slurm): scancel's SIGTERM and the time limit's warning (SIGUSR2)
         # end the run as on the command line (status interrupted, resumable), neither ignored until the
-        # SIGKILL nor raised by submitit inside the point being measured (harness.run.TimeLimit).
+        # SIGKILL nor raised by submitit inside the point being measured (harness.signals.TimeLimit).
         import signal
 
         signal.signal(signal.SIGTERM, terminate)
