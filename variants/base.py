@@ -30,6 +30,21 @@ def require(condition: bool, message: str) -> None:
         raise VariantError(message)
 
 
+SEED_MAX = 2**63 - 1  # a seed is an int64, as the harness's own (harness.config, which imports no torch)
+
+
+def seed_error(name: str, value: Any) -> str | None:
+    """The one line refusing ``value`` as the seed ``name``, or None where it is one (0 … 2**63-1)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= SEED_MAX:
+        return None
+    return f"{name} must be an integer from 0 to 2**63-1 ({SEED_MAX}); got {value!r}"
+
+
+def require_seed(name: str, value: Any) -> None:
+    error = seed_error(name, value)
+    require(error is None, error or "")
+
+
 @dataclass(frozen=True)
 class Flops:
     """Forward FLOPs of one call. ``executed`` counts what the backend computes (whole blocks, padding,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Attention, Flops, dense_attention, require
+from .base import Attention, Flops, dense_attention, require, require_seed
 
 SHARING = ("headwise", "kv", "none")
 
@@ -37,6 +37,7 @@ class LinearOptions:
         require(self.share != "none" or (isinstance(self.num_heads, int) and self.num_heads > 0),
                 f"linear: share=none needs num_heads (an integer > 0, one E_h and F_h per head); "
                 f"got {self.num_heads!r}")
+        require_seed("linear: seed", self.seed)
 
 
 class Linear(Attention):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .base import Attention, Flops, dense_attention, require
+from .base import Attention, Flops, dense_attention, require, require_seed
 from .masks import causal_allowed
 
 
@@ -50,7 +50,7 @@ class ReformerOptions:
                                            and self.n_buckets % 2 == 0),
                 f"reformer: n_buckets must be an even integer >= 2, or null for 2·⌈N/bucket_size⌉; "
                 f"got {self.n_buckets!r}")
-        require(isinstance(self.seed, int), f"reformer: seed must be an integer; got {self.seed!r}")
+        require_seed("reformer: seed", self.seed)
 
 
 def normalise(q: Tensor) -> Tensor:

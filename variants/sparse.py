@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .base import require
+from .base import require, require_seed
 from .blocksparse import MaskedAttention
 from .masks import bigbird_layout, fixed_layout, num_blocks, strided_layout
 
@@ -26,7 +26,7 @@ PATTERN_OPTIONS = {
     "bigbird": {"window_blocks": 3, "global_blocks": 1, "random_blocks": 2, "seed": 0},
 }
 MINIMUM = {"local_blocks": 1, "summary_blocks": 0, "stride": 1, "window_blocks": 1, "global_blocks": 0,
-           "random_blocks": 0, "seed": 0}
+           "random_blocks": 0}
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class SparseOptions:
                 f"sparse: block_size must be an integer >= 1; got {self.block_size!r}")
         for name in own:
             value = getattr(self, name)
+            if name == "seed":
+                require_seed("sparse: seed", value)
+                continue
             require(isinstance(value, int) and not isinstance(value, bool) and value >= MINIMUM[name],
                     f"sparse: {name} must be an integer >= {MINIMUM[name]}; got {value!r}")
         if self.pattern == "fixed":
