@@ -69,13 +69,28 @@ def test_flex_forward_matches_reference_cpu(name, options, causal):
     ("blockwise", {"mode": "local", "block_size": 100}),
 ], ids=lambda x: str(x))
 def test_flex_mask_mod_is_the_mask(name, options, causal):
-    """The mask_mod on the whole grid (as create_block_mask evaluates it) equals the variant's mask."""
+    """The mask_mod on the whole grid (as create_block_mask evaluates it) equals the variant's mask, on the
+    positions in the variant's engine_order (dilation) where it has one."""
     from torch.nn.attention.flex_attention import create_mask
 
     attn = variants.build(name, **options)
     for N in (97, 259):
         got = create_mask(flex.mask_mod(attn, N, causal, "cpu"), 1, 1, N, N, "cpu")[0, 0]
-        assert torch.equal(got, attn.mask(N, causal))
+        order = attn.engine_order(N)
+        want = attn.mask(N, causal) if order is None else attn.mask(N, causal)[order][:, order]
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_flex_dilated_window_computes_the_window_not_window_times_dilation(causal):
+    """flex runs a dilated window in the engine's order too: its BlockMask's tiles are about those of the
+    same window without dilation (they were ~d× as many: every d-th key of a w·d band)."""
+    N, w = 4096, 64
+    plain = flex.block_mask_stats(variants.build("sliding_window", window=w, global_tokens=8), N, causal)
+    for d in (2, 8):
+        dilated = flex.block_mask_stats(variants.build("sliding_window", window=w, dilation=d, global_tokens=8),
+                                        N, causal)
+        assert dilated["executed_pairs"] < 1.3 * plain["executed_pairs"], (d, dilated, plain)
 
 
 @pytest.mark.parametrize("name,options,N,causal", [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -96,6 +96,7 @@ class Attention(nn.Module):
         # (first, total): the calls get heads [first, first + H) of ``total``. Set by ulysses while it runs
         # the variant on a head shard; None: a call gets every head. See heads().
         self.head_shard: tuple[int, int] | None = None
+        self._orders_on: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}  # (N, device) -> engine_order, inverse
 
     # ----- facts -----------------------------------------------------------------------------------
     def backend_names(self) -> list[str]:
@@ -134,6 +135,28 @@ class Attention(nn.Module):
         require(first + num_heads <= total, f"{self.name}: heads [{first}, {first + num_heads}) of a call on "
                                             f"heads [0, {total}): allowed: at most {total - first} heads")
         return slice(first, first + num_heads), total
+
+    def engine_order(self, seq_len: int) -> Tensor | None:
+        """(N,) the order in which the variant's kernels (the block-sparse engine, flex) run the positions:
+        their position p is position order[p]. None: as given. The variant's layout and predicate are then
+        stated in that order (``engine_layout``, ``masks.reordered``); the order must keep every allowed
+        pair's j ≤ i, so that causality carries over. sliding_window with dilation has one."""
+        return None
+
+    def in_engine_order(self, body: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor,
+                        v: Tensor) -> Tensor:
+        """``body(q, k, v)`` on (B, H, N, D) inputs taken in ``engine_order``, its output put back in the
+        positions' order: two O(N·D) copies in, one out (and their gradients)."""
+        N = q.shape[-2]
+        if self.engine_order(N) is None:
+            return body(q, k, v)
+        key = (N, str(q.device))
+        if key not in self._orders_on:  # copied to the device once: a copy per call from pageable host
+            order = self.engine_order(N)  # memory would wait for the device's queue
+            self._orders_on[key] = order.to(q.device), torch.argsort(order).to(q.device)
+        order, back = self._orders_on[key]
+        out = body(*(t.index_select(2, order) for t in (q, k, v)))  # (B, H, N, D) in the engine's order
+        return out.index_select(2, back)
 
     def available_backends(self, device: torch.device | str) -> list[str]:
         cuda = torch.device(device).type == "cuda"

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .base import Attention, dense_attention
 from .flex import BlockMasks, block_mask_stats
-from .masks import Predicate, causal_allowed, causal_blocks, dense_mask, layout_predicate
+from .masks import Predicate, causal_allowed, causal_blocks, dense_mask, layout_predicate, reordered
 
 FUSED_BACKENDS = ("flex", "xformers")  # GPU kernels that tile internally: no gathered blocks in memory
 TILE_KEYS = 128  # keys per chunk (rounded to whole blocks): small tiles stay in cache between passes
@@ -372,17 +372,6 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, sca
     return BlockSparseAttention.apply(q, k, v, plan, scale, save_probs)
 
 
-def _reordered(pred: Predicate, order: Tensor) -> Predicate:
-    """``pred`` on engine positions: allowed(order[p], order[p']); past N (a padded block) as position N."""
-    extended = torch.cat([order, torch.tensor([len(order)])])
-
-    def allowed(i: Tensor, j: Tensor) -> Tensor:
-        n = len(order)
-        return pred(extended[i.clamp(max=n)], extended[j.clamp(max=n)])
-
-    return allowed
-
-
 class MaskedAttention(Attention):
     """Base of the mask-defined variants (blockwise, sliding_window, sparse).
 
@@ -400,7 +389,6 @@ class MaskedAttention(Attention):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._plans: dict[tuple[int, bool], BlockPlan] = {}
-        self._orders_on: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}  # (N, device) -> order, inverse
         self.block_masks = BlockMasks()  # the flex backend's, per (N, causal, device)
 
     # What a subclass defines ------------------------------------------------------------------------
@@ -419,12 +407,6 @@ class MaskedAttention(Attention):
         """Leading query blocks that see (almost) every key: planned as their own group."""
         return 0
 
-    def engine_order(self, seq_len: int) -> Tensor | None:
-        """(N,) the positions in the order the engine runs them (its position p is position order[p]),
-        or None: as they are. Where given, ``engine_layout`` is the layout in that order; the predicate
-        is carried over, and causality too, provided the order keeps every allowed pair's j ≤ i order."""
-        return None
-
     def engine_layout(self, seq_len: int, causal: bool) -> Tensor:
         """The layout in ``engine_order`` (causal not applied)."""
         return self.layout(seq_len, causal)
@@ -436,7 +418,7 @@ class MaskedAttention(Attention):
             order, pred = self.engine_order(seq_len), self.predicate(seq_len, causal)
             lay = self.layout(seq_len, causal) if order is None else self.engine_layout(seq_len, causal)
             if order is not None and pred is not None:  # engine positions p, p' are positions order[p], order[p']
-                pred = _reordered(pred, order)
+                pred = reordered(pred, order)
             lay = causal_blocks(lay) if causal else lay
             self._plans[key] = BlockPlan.build(lay, seq_len, self.engine_block_size(seq_len), causal,
                                                self.dense_rows(seq_len), pred)
@@ -466,8 +448,8 @@ class MaskedAttention(Attention):
         return self.plan(seq_len, causal).computed_blocks * self.engine_block_size(seq_len) ** 2
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
-        if self.backend in FUSED_BACKENDS:
-            return element_size * B * H * 8 * N * D  # fused kernels: O(N·D), as full's fused backends
+        if self.backend in FUSED_BACKENDS:  # fused kernels: O(N·D), as full's fused backends
+            return element_size * B * H * 8 * N * D + self.reordering_bytes(B, H, N, D, element_size)
         if self.backend == "dense":
             return super().memory_bytes(B, H, N, D, element_size, causal)
         # The backward's peak, O(N·D) plus one tile. a: the accumulators' element size (float32 at least).
@@ -483,9 +465,11 @@ class MaskedAttention(Attention):
         loop = a * (2 * scores + copied + copied // 2) + scores
         end = 3 * element_size * BH * N * D if copies else 0
         saved = a * BH * self.executed_pairs(N, causal) if self.save_probabilities else 0  # the probability tiles
-        # In another order (engine_order): q, k, v and the output reordered, and a gradient on the way back
-        reordered = 5 * element_size * BH * N * D if self.engine_order(N) is not None else 0
-        return BH * per_head + max(loop, end) + saved + reordered
+        return BH * per_head + max(loop, end) + saved + self.reordering_bytes(B, H, N, D, element_size)
+
+    def reordering_bytes(self, B: int, H: int, N: int, D: int, element_size: int) -> int:
+        """In another order (engine_order): q, k, v and the output reordered, and a gradient on the way back."""
+        return 5 * element_size * B * H * N * D if self.engine_order(N) is not None else 0
 
     def block_density(self, seq_len: int, causal: bool = False) -> float:
         """Allowed key blocks over all nb² blocks (the block-sparse layout's density)."""
@@ -499,19 +483,7 @@ class MaskedAttention(Attention):
         if backend == "flex":
             from .flex import flex_forward
 
-            return flex_forward(self, q, k, v, causal)
-        if self.engine_order(N) is None:
-            return block_sparse_attention(q, k, v, self.plan(N, causal), scale, self.save_probabilities)
-        order, back = self._order_on(N, q.device)
-        q, k, v = (t.index_select(2, order) for t in (q, k, v))  # (B, H, N, D) in the engine's order
-        out = block_sparse_attention(q, k, v, self.plan(N, causal), scale, self.save_probabilities)
-        return out.index_select(2, back)  # back in the positions' order
-
-    def _order_on(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """``engine_order`` and its inverse on ``device``, copied once (a copy per call from pageable host
-        memory would wait for the device's queue)."""
-        key = (seq_len, str(device))
-        if key not in self._orders_on:
-            order = self.engine_order(seq_len)
-            self._orders_on[key] = order.to(device), torch.argsort(order).to(device)
-        return self._orders_on[key]
+            return flex_forward(self, q, k, v, causal)  # in engine_order, as the engine
+        plan = self.plan(N, causal)
+        return self.in_engine_order(lambda q, k, v: block_sparse_attention(q, k, v, plan, scale, self.save_probabilities),
+                                    q, k, v)

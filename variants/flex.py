@@ -2,7 +2,8 @@
 
 The variant's element predicate ``allowed(i, j)`` (docs/variants.md; causality excluded)
 becomes FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) = allowed(q_idx, kv_idx) [& kv_idx <= q_idx]``
-(the causal rule, ``masks.causal_allowed``)
+(the causal rule, ``masks.causal_allowed``), on the positions in the variant's ``engine_order`` where it
+has one (sliding_window with dilation: a w-wide band, not every d-th key of a w·d one),
 and, through it, a ``BlockMask`` of 128×128 tiles: empty tiles are skipped, full tiles run without the
 mask_mod, partial tiles (band edges, the ragged last block when N is not a multiple of 128) apply it
 element by element. Layout-defined variants (sparse, blockwise local) look the block layout up in a
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .base import Attention, VariantError
-from .masks import causal_allowed
+from .masks import causal_allowed, reordered
 
 BLOCK_SIZE = 128  # FlexAttention's sparse block (tile) size, both query and key
 CHUNK_ELEMENTS = 1 << 24  # above this many grid points (N > 4096), evaluate the mask in row strips
@@ -77,12 +78,14 @@ def compiled_flex_attention():
 def mask_mod(attn: Attention, seq_len: int, causal: bool, device: torch.device | str) -> MaskMod:
     """FlexAttention mask_mod of a mask-defined variant: allowed(q_idx, kv_idx), and kv_idx <= q_idx
     under causal. Every tensor it reads lives on ``device`` (it runs inside the compiled kernel)."""
-    pred = attn.predicate(seq_len, causal)
+    pred, order = attn.predicate(seq_len, causal), attn.engine_order(seq_len)
     if pred is None:
         # Layout-defined (sparse, blockwise): a lookup in the block layout, moved to the device once.
-        layout = attn.layout(seq_len, causal)
+        layout = attn.layout(seq_len, causal) if order is None else attn.engine_layout(seq_len, causal)
         if not bool(layout.all()):  # all-true (blockwise exact): no element restriction
             pred = _layout_lookup(layout, attn.engine_block_size(seq_len), seq_len, device)
+    elif order is not None:  # the kernel runs the positions in engine_order (flex_forward reorders q, k, v)
+        pred = reordered(pred, order.to(device))
 
     # Causality as data, not code: the causal rule from query q_idx + reach, kv_idx <= q_idx + reach, with
     # reach = 0 (causal) or N (no limit), so causal and non-causal calls share one compiled kernel (the
@@ -214,7 +217,7 @@ def flex_forward(attn: Attention, q: Tensor, k: Tensor, v: Tensor, causal: bool 
 
     fn = compiled_flex_attention() if compiled else flex_attention
     bm = block_mask(attn, q.shape[-2], causal, q.device)
-    return fn(q, k, v, block_mask=bm, scale=attn.scale(q.shape[-1]))
+    return attn.in_engine_order(lambda q, k, v: fn(q, k, v, block_mask=bm, scale=attn.scale(q.shape[-1])), q, k, v)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,19 @@ def causal_pairs(seq_len: int, causal: bool) -> int:
     return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
 
 
+def reordered(pred: Predicate, order: Tensor) -> Predicate:
+    """``pred`` on positions taken in ``order`` (a kernel's position p is position order[p]):
+    allowed(order[p], order[p']). Indices past N (a kernel's padded last tile) read as position N, never
+    out of bounds. ``order`` lives where the predicate runs (FlexAttention: on the inputs' device)."""
+    n = len(order)
+    extended = torch.cat([order, order.new_tensor([n])])
+
+    def allowed(i: Tensor, j: Tensor) -> Tensor:
+        return pred(extended[i.clamp(max=n)], extended[j.clamp(max=n)])
+
+    return allowed
+
+
 def sliding_window(window: int, dilation: int = 1, global_tokens: int = 0) -> Predicate:
     """Longformer: |i − j| ≤ w·d and (i − j) mod d == 0, or either position among the first g."""
 

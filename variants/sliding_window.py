@@ -6,7 +6,7 @@ allowed(i, j) = (|i − j| ≤ w·d and (i − j) mod d == 0) or i < g or j < g
 "attention window 512" is ``window=256``. The first g positions are global (symmetric, shared
 projections). The efficient path runs the block-sparse engine on the band of blocks within w of the
 diagonal plus the global blocks: O(N·(w + g)) time and memory, never an N×N tensor. With dilation d the
-engine runs the positions in another order (``engine_order``): the global ones, then each residue class
+engine (and flex) run the positions in another order (``engine_order``): the global ones, then each residue class
 mod d in turn, in which a query's local keys are its w neighbours on either side, so the band it computes
 is w wide, not w·d (every d-th key of a w·d band).
 """
