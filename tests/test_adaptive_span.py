@@ -249,6 +249,10 @@ def test_flex_score_mod_and_band_match_reference_cpu(causal):
         with torch.no_grad():
             torch.testing.assert_close(attn.flex_forward(q, k, v, causal).double(), attn.reference(q, k, v, causal),
                                        rtol=1e-4, atol=1e-4)
+        shared = variants.build("adaptive_span", max_span=S, ramp=R, init_span=5.5, backend="flex")  # one z, expanded
+        with torch.no_grad():  # (compiled, an expanded z failed: the score_mod's buffers must be contiguous)
+            torch.testing.assert_close(shared.flex_forward(q, k, v, causal).double(),
+                                       shared.reference(q, k, v, causal), rtol=1e-4, atol=1e-4)
     stats = flex.block_mask_stats(attn, 200, causal)
     # N = 200 is 2 × 2 tiles: the band (reach 24) touches all of them, causal skips the future one
     assert stats["tile_density"] == (0.75 if causal else 1.0)

@@ -314,3 +314,16 @@ def test_trains_inside_the_model_and_leaves_wk_unused():
     changed[:, 14:] = torch.randint(0, 16, (2, N - 14), generator=gen)
     with torch.no_grad():
         torch.testing.assert_close(model(changed)[:, :14], model(tokens)[:, :14], rtol=0, atol=1e-6)
+
+
+def test_rotations_are_copied_to_the_calls_device_and_dtype_once():
+    """A call takes R where it runs from a copy kept per (device, dtype): a host-to-device copy per call
+    would wait for the GPU's queue inside every timed call. set_rotations drops the copies (tested above)."""
+    attn = variants.build("reformer", bucket_size=4, n_hashes=2)
+    q = qkv(1, 2, 30, 8, dtype=torch.float64, seed=1)[0].detach()
+    attn.buckets(q)
+    kept = {key: id(R) for key, R in attn._rotations_on.items()}
+    attn.buckets(q)
+    assert len(kept) == 1 and {key: id(R) for key, R in attn._rotations_on.items()} == kept
+    (R,) = attn._rotations_on.values()
+    assert R.dtype == torch.float64 and torch.equal(R, attn.rotations(2, 8, attn.num_buckets(30)).double())

@@ -445,6 +445,23 @@ def test_counting_pairs_at_64k_allocates_no_n_squared_temporary(name, options):
     assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB"
 
 
+def test_dense_backend_builds_its_mask_once(monkeypatch):
+    """The mask path builds its (N, N) mask once per (N, causal, device), not on the host in every call (a
+    GPU timing would measure that), and keeps one: a sweep over N does not pile up N² masks."""
+    attn = variants.build("sliding_window", window=5, backend="dense")
+    built = []
+    mask = attn.mask
+    monkeypatch.setattr(attn, "mask", lambda N, causal=False: built.append((N, causal)) or mask(N, causal))
+    q, k, v = qkv(1, 1, 70, 8)
+    ref = attn.reference(q, k, v, True)
+    built.clear()
+    for _ in range(3):
+        torch.testing.assert_close(attn(q, k, v, causal=True).double(), ref)
+    assert built == [(70, True)]
+    attn(q[:, :, :50], k[:, :, :50], v[:, :, :50], causal=True)
+    assert built == [(70, True), (50, True)] and attn._dense_mask[0] == (50, True, "cpu")
+
+
 def test_efficient_paths_build_no_dense_mask(monkeypatch):
     """The block-sparse engine must never call the O(N²) mask."""
     def forbidden(*a, **k):

@@ -265,7 +265,8 @@ class AdaptiveSpan(Attention):
 
         H, N = q.shape[1], q.shape[-2]
         self._renew_block_masks(N)
-        z, ramp = self.spans(H).float(), self.options.ramp
+        # contiguous: a shared span is an expanded (stride-0) view, which the compiled score_mod refuses
+        z, ramp = self.spans(H).float().contiguous(), self.options.ramp
 
         def score_mod(score, b, h, q_idx, kv_idx):
             x = q_idx - kv_idx if causal else (q_idx - kv_idx).abs()

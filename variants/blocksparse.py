@@ -390,6 +390,10 @@ class MaskedAttention(Attention):
         super().__init__(**options)
         self._plans: dict[tuple[int, bool], BlockPlan] = {}
         self.block_masks = BlockMasks()  # the flex backend's, per (N, causal, device)
+        # The dense backend's (N, N) mask on the device of the last call, (N, causal, device) -> mask: built
+        # once, as a user of the mask path would (rebuilding it on the host per call is what a GPU timing
+        # would measure); one kept, so a sweep over N does not pile up N² masks.
+        self._dense_mask: tuple[tuple[int, bool, str], Tensor] | None = None
 
     # What a subclass defines ------------------------------------------------------------------------
     def engine_block_size(self, seq_len: int) -> int:
@@ -479,7 +483,11 @@ class MaskedAttention(Attention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
         N, scale = q.shape[-2], self.scale(q.shape[-1])
         if backend == "dense":
-            return dense_attention(q, k, v, self.mask(N, causal).to(q.device), scale)
+            key = (N, causal, str(q.device))
+            if self._dense_mask is None or self._dense_mask[0] != key:
+                self._dense_mask = None  # freed before the next one is built
+                self._dense_mask = key, self.mask(N, causal).to(q.device)
+            return dense_attention(q, k, v, self._dense_mask[1], scale)
         if backend == "flex":
             from .flex import flex_forward
 

@@ -94,6 +94,9 @@ class Reformer(Attention):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._rotations: dict[tuple[int, int, int], Tensor] = {}
+        # The calls' slices of them, where the calls run: copied once (a copy per call from host memory
+        # would wait for the device's queue inside every timed call). Key: (H, D, n_buckets, heads, device, dtype).
+        self._rotations_on: dict[tuple, Tensor] = {}
 
     # ----- the hashing --------------------------------------------------------------------------------
     def num_buckets(self, seq_len: int) -> int:
@@ -116,6 +119,7 @@ class Reformer(Attention):
         r, H, D, half = rotations.shape
         require(r == self.options.n_hashes, f"reformer: rotations hold {r} rounds; n_hashes={self.options.n_hashes}")
         self._rotations[(H, D, 2 * half)] = rotations.detach().cpu()
+        self._rotations_on.clear()
 
     def buckets(self, q: Tensor) -> Tensor:
         """(B, H, r, N) bucket of every position in every round, hashed in at least float32."""
@@ -123,8 +127,11 @@ class Reformer(Attention):
         nb = self.num_buckets(N)
         rows = max(1, (N * self.options.bucket_size) // nb)  # temporaries of about N·c elements
         heads, total = self.heads(H)  # R_{t,h} of these heads: the same draw on a head shard (ulysses)
-        return hash_buckets(q.to(torch.promote_types(q.dtype, torch.float32)),
-                            self.rotations(total, D, nb)[:, heads], rows)
+        q = q.to(torch.promote_types(q.dtype, torch.float32))
+        key = (total, D, nb, heads.start, heads.stop, str(q.device), q.dtype)
+        if key not in self._rotations_on:
+            self._rotations_on[key] = self.rotations(total, D, nb)[:, heads].to(device=q.device, dtype=q.dtype)
+        return hash_buckets(q, self._rotations_on[key], rows)
 
     def num_chunks(self, seq_len: int) -> int:
         return math.ceil(seq_len / self.options.bucket_size)
