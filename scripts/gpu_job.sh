@@ -11,15 +11,16 @@
 #    pytest-xdist is installed) into <results>/junit-gpu.xml and tests-gpu.log.
 # 4. Runs scripts/bench_gpu.py --out <results> within what is left of JOB_BUDGET_S (default 480 s):
 #    the sweeps stop at the budget and resume on the next call; measured points are never measured again.
-# 5. On any exit (the end, a failure, a signal) copies a few files into OUT (default /tmp/gpu_job_out) to take home: results.tar.gz (the results
-#    directory, with repository-relative paths: `tar -xzf results.tar.gz` at the repository root),
-#    SUMMARY.md, junit-gpu.xml, tests-gpu.log, job.log.
+# 5. Copies a few files into OUT (default /tmp/gpu_job_out) to take home, after the tests, every PACK_EVERY_S
+#    (default 60) seconds of the benchmark and on any exit (the end, a failure, a signal; a call killed
+#    outright leaves the last copy): results.tar.gz (the results directory, with repository-relative
+#    paths: `tar -xzf results.tar.gz` at the repository root), SUMMARY.md, junit-gpu.xml, tests-gpu.log, job.log.
 # Run the same command again (with the extracted results in place) until its last line says
 # "complete". No GPU has run it yet: the whole benchmark is estimated to take more than one 30-minute
 # window, so it resumes across calls.
 #
 # Environment: BENCH_DIR (default: the latest results/gpu/<UTC date>-<device> without a COMPLETE file,
-# else a new one for today), JOB_BUDGET_S, OUT, PYTHON,
+# else a new one for today), JOB_BUDGET_S (keep it 100 s under any hard limit on the call), OUT, PYTHON, PACK_EVERY_S,
 # RERUN_TESTS=1 (run the GPU tests again), SKIP_TESTS=1, SKIP_WHEELS=1, BENCH_ARGS (more bench_gpu.py
 # arguments), HARNESS_CODE_VERSION (the commit every row records as code_version, for a tree copied
 # without .git: `git rev-parse --short=12 HEAD` where it was copied from).
@@ -53,8 +54,14 @@ if [ "${SKIP_WHEELS:-0}" = 1 ]; then
     echo "gpu_job: SKIP_WHEELS=1: using the installed packages"
 elif ls wheels/*.whl >/dev/null 2>&1; then
     if ! cmp -s <(ls wheels) "$SITE/.installed" 2>/dev/null; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" wheels/*.whl \
-            || { echo "gpu_job: installing wheels/ failed"; exit 1; }
+        PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE")
+        if ! "${PIP[@]}" wheels/*.whl; then
+            # One wheel that does not fit this Python or platform fails them all: install them one by one
+            # (what fails is said here, and by the import checks below: the tests and sweeps need hydra
+            # and omegaconf; wandb and xformers are optional).
+            echo "gpu_job: installing wheels/ at once failed; one by one:"
+            for w in wheels/*.whl; do "${PIP[@]}" "$w" || echo "gpu_job: NOT INSTALLED: $w"; done
+        fi
         ls wheels > "$SITE/.installed"
     fi
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
@@ -82,9 +89,24 @@ for mod in ("hydra", "wandb", "xformers.ops"):
         print(f"  import {mod}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
 PYEOF
 
-# 5. results to take home: on any exit (a failure, a kill at a time limit), so what was measured leaves
+# 5. results to take home: packed into OUT after each step, every PACK_EVERY_S seconds while the benchmark
+# runs, and on any exit (the end, a failure, a signal), so that what was measured leaves even when the call
+# is killed (SIGKILL runs no trap): the last pack is what comes back.
+pack() {
+    local tmp="$OUTDIR/.results.tar.gz.tmp"  # whole or not at all: renamed into place
+    case "$BENCH_DIR" in
+        /*) tar -czf "$tmp" -C "$(dirname "$BENCH_DIR")" "$(basename "$BENCH_DIR")" ;;
+        *) tar -czf "$tmp" "$BENCH_DIR" ;;
+    esac && mv -f "$tmp" "$OUTDIR/results.tar.gz"
+    for f in SUMMARY.md junit-gpu.xml tests-gpu.log; do
+        [ -f "$BENCH_DIR/$f" ] && cp "$BENCH_DIR/$f" "$OUTDIR/"
+    done
+    return 0
+}
+
 take_home() {
     trap - EXIT
+    [ -n "${PACKER:-}" ] && kill "$PACKER" 2>/dev/null
     PENDING=$(timeout 60 "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --pending ${BENCH_ARGS:-}) \
         || PENDING="unknown (bench_gpu.py --pending failed: see above)"
     COMPLETE=0
@@ -92,13 +114,7 @@ take_home() {
         COMPLETE=1
         date -u +%FT%TZ > "$BENCH_DIR/COMPLETE"  # the next job starts a new directory
     fi
-    case "$BENCH_DIR" in
-        /*) tar -czf "$OUTDIR/results.tar.gz" -C "$(dirname "$BENCH_DIR")" "$(basename "$BENCH_DIR")" ;;
-        *) tar -czf "$OUTDIR/results.tar.gz" "$BENCH_DIR" ;;
-    esac
-    for f in SUMMARY.md junit-gpu.xml tests-gpu.log; do
-        [ -f "$BENCH_DIR/$f" ] && cp "$BENCH_DIR/$f" "$OUTDIR/"
-    done
+    pack
     ls -l "$OUTDIR"
     if [ "$COMPLETE" = 1 ]; then
         echo "gpu_job: complete; commit $BENCH_DIR"
@@ -140,6 +156,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ] && { [ ! -f "$BENCH_DIR/tests-gpu.rc" ] || [ "${R
         # or internal error, nothing collected) is tried again on the next call.
         case "$rc" in 0|1|124) echo "$rc" > "$BENCH_DIR/tests-gpu.rc" ;; esac
         echo "== GPU tests exit code $rc$([ "$rc" = 124 ] && echo ' (timed out: RERUN_TESTS=1 runs them again)')"
+        pack
     fi
 fi
 
@@ -150,8 +167,12 @@ fi
 B=$(($(left) - 60))
 if [ "$B" -gt 30 ]; then
     echo "== python scripts/bench_gpu.py --out $BENCH_DIR --budget-s $B ${BENCH_ARGS:-}"
+    # A rows file caught mid-line by a pack is read back without its torn last line (harness.results).
+    ( while sleep "${PACK_EVERY_S:-60}"; do pack; done ) &
+    PACKER=$!
     timeout -k 10 $((B + 60)) "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --budget-s "$B" ${BENCH_ARGS:-} \
         || timeout -k 5 60 "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --summary-only ${BENCH_ARGS:-}
+    kill "$PACKER" 2>/dev/null
 else
     echo "== no time left for the benchmark in this call"
 fi

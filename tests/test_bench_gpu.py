@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -138,6 +140,28 @@ def test_a_job_whose_python_cannot_run_the_benchmark_is_not_complete(tmp_path):
     last = proc.stdout.rstrip().splitlines()[-1]
     assert last.startswith("gpu_job: incomplete (steps pending: unknown"), proc.stdout[-3000:]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["job.log", "results.tar.gz"]
+
+
+def test_a_job_killed_outright_leaves_its_last_pack(tmp_path):
+    """A call killed with SIGKILL at a time limit runs no trap: what comes back is the pack the job made
+    while the benchmark ran (every PACK_EVERY_S), with the rows measured until then."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "BENCH_DIR": str(tmp_path / "bench"), "SKIP_WHEELS": "1",
+           "SKIP_TESTS": "1", "PYTHON": sys.executable, "BENCH_ARGS": f"--smoke --variants {','.join(LABELS)}",
+           "WANDB_MODE": "disabled", "PACK_EVERY_S": "1"}
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_job.sh")], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    pack, rows = tmp_path / "out" / "results.tar.gz", []
+    deadline = time.monotonic() + 300
+    while not rows and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        if pack.exists():
+            with tarfile.open(pack) as tar:
+                rows = [n for n in tar.getnames() if n.endswith("results.jsonl")]
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the job ended before it was killed: nothing tested"
+    assert rows, "no pack with rows came out while the benchmark ran"
+    with tarfile.open(pack) as tar:  # still whole: each pack replaces the last in one rename
+        assert all(n.startswith("bench") for n in tar.getnames())
 
 
 @pytest.mark.parametrize("script", ["gpu_job.sh", "fetch_wheels.sh"])
