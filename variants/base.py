@@ -96,7 +96,8 @@ class Attention(nn.Module):
         # (first, total): the calls get heads [first, first + H) of ``total``. Set by ulysses while it runs
         # the variant on a head shard; None: a call gets every head. See heads().
         self.head_shard: tuple[int, int] | None = None
-        self._orders_on: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}  # (N, device) -> engine_order, inverse
+        # (N, device) -> engine_order and its inverse there, or None (as given): asked once per N and device
+        self._orders_on: dict[tuple[int, str], tuple[Tensor, Tensor] | None] = {}
 
     # ----- facts -----------------------------------------------------------------------------------
     def backend_names(self) -> list[str]:
@@ -147,13 +148,12 @@ class Attention(nn.Module):
                         v: Tensor) -> Tensor:
         """``body(q, k, v)`` on (B, H, N, D) inputs taken in ``engine_order``, its output put back in the
         positions' order: two O(N·D) copies in, one out (and their gradients)."""
-        N = q.shape[-2]
-        if self.engine_order(N) is None:
-            return body(q, k, v)
-        key = (N, str(q.device))
+        key = (q.shape[-2], str(q.device))
         if key not in self._orders_on:  # copied to the device once: a copy per call from pageable host
-            order = self.engine_order(N)  # memory would wait for the device's queue
-            self._orders_on[key] = order.to(q.device), torch.argsort(order).to(q.device)
+            order = self.engine_order(key[0])  # memory would wait for the device's queue
+            self._orders_on[key] = None if order is None else (order.to(q.device), torch.argsort(order).to(q.device))
+        if self._orders_on[key] is None:
+            return body(q, k, v)
         order, back = self._orders_on[key]
         out = body(*(t.index_select(2, order) for t in (q, k, v)))  # (B, H, N, D) in the engine's order
         return out.index_select(2, back)

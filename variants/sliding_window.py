@@ -53,10 +53,6 @@ class SlidingWindow(MaskedAttention):
     # recomputing them: one matmul of five and the mask and exp passes spared in the backward.
     save_probabilities = True
 
-    def __init__(self, **options) -> None:
-        super().__init__(**options)
-        self._orders: dict[int, Tensor] = {}  # N -> engine_order
-
     def backend_names(self) -> list[str]:
         # xformers' local bias is a plain band: offered only where the pattern is one.
         o = self.options
@@ -84,10 +80,8 @@ class SlidingWindow(MaskedAttention):
         d, g = self.options.dilation, min(self.options.global_tokens, seq_len)
         if d == 1:
             return None
-        if seq_len not in self._orders:
-            i = torch.arange(g, seq_len)
-            self._orders[seq_len] = torch.cat([torch.arange(g), i[torch.argsort((i % d) * seq_len + i)]])
-        return self._orders[seq_len]
+        i = torch.arange(g, seq_len)  # asked where it is kept: the plan, the BlockMask, in_engine_order's copies
+        return torch.cat([torch.arange(g), i[torch.argsort((i % d) * seq_len + i)]])
 
     def engine_layout(self, seq_len: int, causal: bool) -> Tensor:
         o = self.options
