@@ -1,22 +1,25 @@
 """GPU benchmark: the harness's own sweeps at the FlashAttention papers' shapes, then what a sweep cannot
 measure (the matmul roof, public kernels, the harness's overhead) and the targets.
 
-    python scripts/bench_gpu.py [--out DIR] [--budget-s S] [--steps roof,c,a-targets,d,a] [--smoke]
+    python scripts/bench_gpu.py [--out DIR] [--budget-s S] [--steps roof,c-targets,a-targets,d,c,a] [--smoke]
     python scripts/bench_gpu.py --summary-only --out DIR   # SUMMARY.md, summary.json, reports again
 
-Steps (default output results/gpu/<UTC date>-<device>/; a rerun into the same --out resumes: a sweep
+Steps, in this order: what the targets need first, so that a job spread over short calls has them
+early (default output results/gpu/<UTC date>-<device>/; a rerun into the same --out resumes: a sweep
 skips the points it has, a finished step is not run again):
-  roof  n×n×n torch.matmul in bf16 and fp16, triton.testing.do_bench median -> roof.json
-  c     conf/sweep/fa2_full.yaml (FA-2/FA-3 shape: 16K tokens, hidden 2048, D 64/128, bf16, causal and
-        not) with every full backend the device has -> c/<job>/
-  d     in one process, one kernel after another: each efficient variant's backends against the best
-        public kernel for its pattern (raw xformers, raw FlexAttention with the canonical mask_mod, SDPA
-        on blocks), the first call (compilation, BlockMask) timed apart; the harness's timing against raw
-        do_bench of the same callable -> d/compare.jsonl, d/overhead.json
-  a     conf/sweep/seq_len_scaling.yaml (FA-1 shape: B=16, H=8, D=64, fp16, N=128…65536) once per
-        variant with every backend the device has (the other N×N backends last): the harness stops a
-        series at its first oom -> a/<variant>/<job>/. Its sweeps that targets need (full's N×N backends
-        for Table 21, the exponent series) run before d, as step a-targets.
+  roof       n×n×n torch.matmul in bf16 and fp16, triton.testing.do_bench median -> roof.json
+  c-targets  conf/sweep/fa2_full.yaml at its longest N (the roof target's and the TFLOP/s table's) with
+             every full backend the device has -> c/<job>/
+  a-targets  conf/sweep/seq_len_scaling.yaml for full's N×N backends (Table 21), and for the exponent
+             targets' variants from the fit's first length (4K) -> a/<variant>/<job>/
+  d          in one process, one kernel after another: each efficient variant's backends against the best
+             public kernel for its pattern (raw xformers, raw FlexAttention with the canonical mask_mod,
+             SDPA on blocks), the first call (compilation, BlockMask) timed apart; the harness's timing
+             against raw do_bench of the same callable -> d/compare.jsonl, d/overhead.json
+  c          fa2_full at every N (the points c-targets measured are kept, not measured again)
+  a          seq_len_scaling (FA-1 shape: B=16, H=8, D=64, fp16, N=128…65536) once per variant with every
+             backend the device has (compiled ones last in each sweep, the other N×N backends last of
+             all): the harness stops a series at its first oom (the OOM frontier) -> a/<variant>/<job>/
 Every step runs in a process of its own (c and a: the harness's sweeps; roof and d: this script again),
 so this one holds no GPU memory while a sweep measures, and a crash ends a step, not the job.
 Then SUMMARY.md and summary.json (targets: met | missed, with the gap | not measured | skipped on CPU),
@@ -39,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -48,13 +52,14 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from harness.config import one_line  # noqa: E402
 from harness.env import now  # noqa: E402
 from harness.results import InputError, fit_exponents, latest, load_rows, read_jsonl, write_json  # noqa: E402
 
 MiB = 2**20
-STEPS = ("roof", "c", "a-targets", "d", "a")
+STEPS = ("roof", "c-targets", "a-targets", "d", "c", "a")
 NEEDS_CUDA = "skipped: needs CUDA"
 # (label, variant, options): part a's series and the comparisons' variants.
 VARIANTS = [("full", "full", {}), ("sliding_window", "sliding_window", {}), ("linear", "linear", {}),
@@ -115,10 +120,10 @@ class Context:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
     def done(self, step: str) -> bool:
-        """Whether a step is complete: roof, c, d; a-targets (part a's sweeps that targets need) and a
-        (all of them) by their sweeps (a:<label>, a:<label>:n2)."""
+        """Whether a step is complete: a-targets and a by their sweeps (a-targets:<label>, a:<label>,
+        a:<label>:n2), the others by their own record."""
         if step in ("a", "a-targets"):
-            return all(self.state.get(s) == "complete" for _, s, *_ in a_series(self, 1 if step == "a-targets" else 3))
+            return all(self.state.get(s) == "complete" for _, s, *_ in a_series(self, targets=step == "a-targets"))
         return self.state.get(step) == "complete"
 
     def finish(self, step: str, outcome: str) -> None:
@@ -174,12 +179,15 @@ def sweep(ctx: Context, step: str, preset: str, overrides: list[str], sweep_dir:
         ctx.log(f"[{step}] exit {rc}: once more, resuming")
 
 
-def a_series(ctx: Context, max_tier: int = 3) -> list[tuple[int, str, str, dict[str, Any], list[str]]]:
+COMPILED = ("flex",)  # backends that compile per N: last in their sweep, after the kernels that do not
+
+
+def a_series(ctx: Context, targets: bool = False) -> list[tuple[int, str, str, dict[str, Any], list[str]]]:
     """Part a's sweeps (tier, step, variant, options, backends) in the order they run: what a target
     needs first (tier 0: full's N×N backends, Table 21; tier 1: the exponent series), then the other
-    efficient variants and full's kernels (2), the other N×N backends last (3). The targets' tiers run
-    before part d (step a-targets), the rest after it: a job cut short by its budget has spent it on
-    targets."""
+    efficient variants and full's kernels (2), the other N×N backends last (3). ``targets``: tiers 0 and 1
+    only, as the steps of a-targets, which run before part d: a job cut short by its budget has spent it
+    on targets."""
     import variants
 
     series = []
@@ -188,26 +196,41 @@ def a_series(ctx: Context, max_tier: int = 3) -> list[tuple[int, str, str, dict[
             continue
         names = backends(variant, options, ctx.device)
         for square in (False, True):
-            chosen = [b for b in names if n2(variant, b) == square]
+            chosen = sorted((b for b in names if n2(variant, b) == square), key=lambda b: b in COMPILED)
             if square:
                 tier = 0 if label == "full" else 3
             else:
                 tier = 1 if label in EXPONENT_TARGETS else 2
-            if chosen:
-                series.append((tier, f"a:{label}{':n2' if square else ''}", variant, options, chosen))
-    return [s for s in sorted(series, key=lambda s: s[0]) if s[0] <= max_tier]  # stable: VARIANTS' order in a tier
+            if chosen and (tier <= 1 or not targets):
+                step = f"{'a-targets' if targets else 'a'}:{label}{':n2' if square else ''}"
+                series.append((tier, step, variant, options, chosen))
+    return sorted(series, key=lambda s: s[0])  # stable: VARIANTS' order in a tier
 
 
-def part_a(ctx: Context, max_tier: int = 3) -> None:
-    for _, step, variant, options, chosen in a_series(ctx, max_tier):
-        sweep(ctx, step, "seq_len_scaling", [f"variant={variant}", f"variant.backend={','.join(chosen)}",
-                                             *[f"variant.{k}={v}" for k, v in options.items()], *ctx.plan.a],
-              ctx.out / "a" / step.split(":")[1])
+def with_seq_lens(preset: str, overrides: list[str], keep: Callable[[int], bool]) -> list[str]:
+    """``overrides`` with seq_lens narrowed to the lengths ``keep`` admits, of the overrides' own seq_lens
+    or else the preset's."""
+    own = [o for o in overrides if o.startswith("seq_lens=")]
+    lens = (yaml.safe_load(own[-1].split("=", 1)[1]) if own else
+            yaml.safe_load((ROOT / "conf" / "sweep" / f"{preset}.yaml").read_text())["seq_lens"])
+    return [o for o in overrides if o not in own] + [f"seq_lens=[{','.join(str(n) for n in lens if keep(n))}]"]
 
 
-def part_c(ctx: Context) -> None:
-    sweep(ctx, "c", "fa2_full", [f"variant.backend={','.join(backends('full', {}, ctx.device))}", *ctx.plan.c],
-          ctx.out / "c")
+def part_a(ctx: Context, targets: bool = False) -> None:
+    for tier, step, variant, options, chosen in a_series(ctx, targets):
+        overrides = [f"variant={variant}", f"variant.backend={','.join(chosen)}",
+                     *[f"variant.{k}={v}" for k, v in options.items()], *ctx.plan.a]
+        if targets and tier == 1:  # the exponent series from the fit's first length; part a adds the rest
+            overrides = with_seq_lens("seq_len_scaling", overrides, lambda n: n >= ctx.plan.exponent_range[0])
+        sweep(ctx, step, "seq_len_scaling", overrides, ctx.out / "a" / step.split(":")[1])
+
+
+def part_c(ctx: Context, targets: bool = False) -> None:
+    """fa2_full with every full backend; ``targets``: at the roof target's length only (c-targets)."""
+    overrides = [f"variant.backend={','.join(backends('full', {}, ctx.device))}", *ctx.plan.c]
+    if targets:
+        overrides = with_seq_lens("fa2_full", overrides, lambda n: n == ctx.plan.roof_target[0])
+    sweep(ctx, "c-targets" if targets else "c", "fa2_full", overrides, ctx.out / "c")
 
 
 def part_roof(ctx: Context) -> None:
@@ -620,8 +643,17 @@ def analyse(ctx: Context) -> dict[str, Any]:
         "overhead", "the harness's timing within 3% of raw do_bench of the same callable", worst and worst[1],
         lambda v: abs(v) <= 0.03, ", ".join(f"{k}: {v:+.2%}" for k, v in vals), cpu,
         lambda v: f"{worst[0]}: {v:+.2%}"))
-    res["compare_rows"], res["a_rows"], res["c_rows"] = compare, len(a), len(c)
+    res["compare_rows"], res["a_rows"], res["c_rows"], res["tests"] = compare, len(a), len(c), gpu_tests(out)
     return res
+
+
+def gpu_tests(out: Path) -> dict[str, Any]:
+    """The GPU tests' outcomes, the last one per test, from tests-gpu.jsonl (gpu_job.sh's pytest run);
+    tests-gpu.rc is there once every test has one."""
+    last = {r["test"]: r for r in side_rows(out / "tests-gpu.jsonl")}
+    return {"all_run": (out / "tests-gpu.rc").exists(), "counts": dict(Counter(r["outcome"] for r in last.values())),
+            "failed": [r for r in last.values() if r["outcome"] in ("failed", "error")],
+            "skipped": dict(Counter(r["message"] for r in last.values() if r["outcome"] == "skipped"))}
 
 
 def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> str:
@@ -632,7 +664,17 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
              f"cuDNN {e.get('cudnn_version')}, triton {e.get('triton_version')}, xformers {e.get('xformers_version')}; "
              f"code {e.get('code_version')}; driver and clocks below. Invocations: " + "; ".join(f"{x['date']} ({x['steps']})" for x in envs) + ".",
              "", "```", e.get("nvidia_smi") or "nvidia-smi: not available", "```", "",
-             "Steps: " + ", ".join(f"{k}: {v}" for k, v in sorted(ctx.state.items())) + ".", "", "## Targets", ""]
+             "Steps: " + ", ".join(f"{k}: {v}" for k, v in sorted(ctx.state.items())) + ".", ""]
+    tests = res["tests"]
+    lines += ["## GPU tests (`pytest -m gpu`: every GPU backend against the float64 reference)", "",
+              (", ".join(f"{n} {k}" for k, n in sorted(tests["counts"].items())) or "none run") + "; " +
+              ("every test has run." if tests["all_run"] else "not every test has run yet (the next call goes on)."), ""]
+    if tests["failed"]:
+        lines += table(["failed test", "outcome", "message"], [[r["test"], r["outcome"], r["message"]] for r in tests["failed"]])
+        lines += [""]
+    if tests["skipped"]:
+        lines += table(["skipped, because", "tests"], [[m, n] for m, n in tests["skipped"].items()]) + [""]
+    lines += ["## Targets", ""]
     lines += table(["target", "status", "measured", "gap"],
                    [[t["text"], f"**{t['status']}**", t["detail"] or "-", t["gap"] or "-"] for t in res["targets"]])
     roof = res["roof"]
@@ -743,8 +785,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.summary_only:
         record_invocation(ctx, steps)
         ctx.log(f"bench_gpu: steps {','.join(steps)} on {device} -> {out}")
-        parts = {"roof": lambda ctx: apart(ctx, "roof"), "c": part_c, "a-targets": lambda ctx: part_a(ctx, 1),
-                 "d": lambda ctx: apart(ctx, "d"), "a": part_a}
+        parts = {"roof": lambda ctx: apart(ctx, "roof"), "c-targets": lambda ctx: part_c(ctx, targets=True),
+                 "a-targets": lambda ctx: part_a(ctx, targets=True), "d": lambda ctx: apart(ctx, "d"), "c": part_c,
+                 "a": part_a}
         for step in steps:
             if not ctx.done(step):
                 parts[step](ctx)

@@ -7,23 +7,25 @@
 #    is reachable and copy wheels/ with the repository; they are installed here with --no-index into
 #    /tmp/site (put on PYTHONPATH; the node's own torch, CUDA and triton are used as they are).
 # 2. Prints nvidia-smi and the versions of torch, CUDA, triton, xformers, hydra and wandb.
-# 3. Runs the GPU tests once (`pytest -m gpu`: every GPU backend against the float64 reference; -n 4 where
-#    pytest-xdist is installed) into <results>/junit-gpu.xml and tests-gpu.log.
-# 4. Runs scripts/bench_gpu.py --out <results> within what is left of JOB_BUDGET_S (default 480 s):
-#    the sweeps stop at the budget and resume on the next call; measured points are never measured again.
+# 3. Runs the GPU tests (`pytest -m gpu`: every GPU backend against the float64 reference; -n 8 where
+#    pytest-xdist is installed) within what the call has left but 200 s (at most 300 s). Each outcome goes
+#    to <results>/tests-gpu.jsonl as it is known; the next call runs only the tests it lacks.
+# 4. Runs scripts/bench_gpu.py --out <results> within what is left of JOB_BUDGET_S (default 480 s): the
+#    targets' measurements first; the sweeps stop at the budget and resume on the next call; measured
+#    points are never measured again.
 # 5. Copies a few files into OUT (default /tmp/gpu_job_out) to take home, after the tests, every PACK_EVERY_S
 #    (default 60) seconds of the benchmark and on any exit (the end, a failure, a signal; a call killed
 #    outright leaves the last copy): results.tar.gz (the results directory, with repository-relative
-#    paths: `tar -xzf results.tar.gz` at the repository root), SUMMARY.md, junit-gpu.xml, tests-gpu.log, job.log.
+#    paths: `tar -xzf results.tar.gz` at the repository root), SUMMARY.md, tests-gpu.log, job.log.
 # Run the same command again (with the extracted results in place) until its last line says
-# "complete". No GPU has run it yet: the whole benchmark is estimated to take more than one 30-minute
-# window, so it resumes across calls.
+# "complete". No GPU has run it yet; the whole benchmark will take several calls of ten minutes.
 #
 # Environment: BENCH_DIR (default: the latest results/gpu/<UTC date>-<device> without a COMPLETE file,
-# else a new one for today), JOB_BUDGET_S (keep it 100 s under any hard limit on the call), OUT, PYTHON, PACK_EVERY_S,
-# RERUN_TESTS=1 (run the GPU tests again), SKIP_TESTS=1, SKIP_WHEELS=1, BENCH_ARGS (more bench_gpu.py
-# arguments), HARNESS_CODE_VERSION (the commit every row records as code_version, for a tree copied
-# without .git: `git rev-parse --short=12 HEAD` where it was copied from).
+# else a new one for today), JOB_BUDGET_S (keep it 100 s under any hard limit on the call), OUT, PYTHON,
+# PACK_EVERY_S, RERUN_TESTS=1 (once every GPU test has run: all of them again), TEST_WORKERS (8),
+# SKIP_TESTS=1, SKIP_WHEELS=1, BENCH_ARGS (more bench_gpu.py arguments), HARNESS_CODE_VERSION (the
+# commit every row records as code_version, for a tree copied without .git: `git rev-parse --short=12
+# HEAD` where it was copied from).
 # A dry run on a CPU machine (tiny sizes; what needs CUDA is recorded skipped):
 #   OUT=/tmp/o BENCH_DIR=/tmp/b SKIP_WHEELS=1 SKIP_TESTS=1 BENCH_ARGS=--smoke bash scripts/gpu_job.sh
 # Arguments: none (settings go in the environment); -h or --help prints this and exits.
@@ -98,7 +100,7 @@ pack() {
         /*) tar -czf "$tmp" -C "$(dirname "$BENCH_DIR")" "$(basename "$BENCH_DIR")" ;;
         *) tar -czf "$tmp" "$BENCH_DIR" ;;
     esac && mv -f "$tmp" "$OUTDIR/results.tar.gz"
-    for f in SUMMARY.md junit-gpu.xml tests-gpu.log; do
+    for f in SUMMARY.md tests-gpu.log; do
         [ -f "$BENCH_DIR/$f" ] && cp "$BENCH_DIR/$f" "$OUTDIR/"
     done
     return 0
@@ -109,8 +111,11 @@ take_home() {
     [ -n "${PACKER:-}" ] && kill "$PACKER" 2>/dev/null
     PENDING=$(timeout 60 "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --pending ${BENCH_ARGS:-}) \
         || PENDING="unknown (bench_gpu.py --pending failed: see above)"
+    if [ ! -f "$BENCH_DIR/tests-gpu.rc" ] && [ "${SKIP_TESTS:-0}" != 1 ]; then
+        PENDING="GPU tests${PENDING:+ }$PENDING"
+    fi
     COMPLETE=0
-    if [ -z "$PENDING" ] && { [ -f "$BENCH_DIR/tests-gpu.rc" ] || [ "${SKIP_TESTS:-0}" = 1 ]; }; then
+    if [ -z "$PENDING" ]; then
         COMPLETE=1
         date -u +%FT%TZ > "$BENCH_DIR/COMPLETE"  # the next job starts a new directory
     fi
@@ -137,25 +142,37 @@ echo "== results directory: $BENCH_DIR"
 trap take_home EXIT
 trap 'echo "gpu_job: stopped by a signal"; exit 143' TERM INT
 
-# 3. the GPU tests, once
-if [ "${SKIP_TESTS:-0}" != 1 ] && { [ ! -f "$BENCH_DIR/tests-gpu.rc" ] || [ "${RERUN_TESTS:-0}" = 1 ]; }; then
-    T=$(($(left) - 140)); [ "$T" -gt 360 ] && T=360
+# 3. the GPU tests, resumed over calls until every one has an outcome. Each outcome is appended to
+# tests-gpu.jsonl as it is known (tests/conftest.py's --outcomes), and a later call leaves out the tests
+# that file has: a call whose time runs out during the tests loses none of what they ran.
+OUTCOMES="$BENCH_DIR/tests-gpu.jsonl"
+if [ "${RERUN_TESTS:-0}" = 1 ] && [ -f "$BENCH_DIR/tests-gpu.rc" ]; then
+    # Every test again: the earlier outcomes are kept beside, not overwritten
+    mv "$OUTCOMES" "$BENCH_DIR/tests-gpu.$(date -u +%Y%m%dT%H%M%SZ).jsonl" 2>/dev/null
+    rm -f "$BENCH_DIR/tests-gpu.rc"
+fi
+if [ "${SKIP_TESTS:-0}" != 1 ] && [ ! -f "$BENCH_DIR/tests-gpu.rc" ]; then
+    # The tests get what the call has left but 200 s, at most 300 s: the benchmark's first steps (the roof,
+    # the FA-2 shape at its target length) get the rest of a short call, and the tests resume on the next.
+    T=$(($(left) - 200)); [ "$T" -gt 300 ] && T=300
     if [ "$T" -lt 60 ]; then
         echo "== GPU tests: too little time left in this call (${T} s); the next call runs them"
     else
         if "$PY" -c "import wandb" 2>/dev/null; then export WANDB_MODE=offline; else export WANDB_MODE=disabled; fi
-        # Four test processes where pytest-xdist is installed: most of the time is FlexAttention's
-        # compilation (one per N, dtype and mask), which one process does one at a time. At the limit
-        # pytest gets SIGINT, so it still reports what ran and writes the JUnit file.
-        XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
-        echo "== python -m pytest -q -m gpu ${XDIST[*]} (limit ${T} s)"
-        timeout -s INT -k 30 "$T" "$PY" -m pytest -q -m gpu "${XDIST[@]}" -rfEs -p no:cacheprovider \
-            --junitxml="$BENCH_DIR/junit-gpu.xml" 2>&1 | tee "$BENCH_DIR/tests-gpu.log"
+        # Eight test processes where pytest-xdist is installed: most of the time is FlexAttention's
+        # compilation (one per N, dtype and mask), which one process does one at a time; with two compile
+        # workers each they keep to about 16 cores. At the limit pytest gets SIGINT.
+        XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${TEST_WORKERS:-8}")
+        echo "== python -m pytest -q -m gpu ${XDIST[*]} (limit ${T} s; $([ -f "$OUTCOMES" ] && wc -l < "$OUTCOMES" || echo 0) outcomes from earlier calls)"
+        echo "== gpu_job $(date -u +%FT%TZ): pytest -m gpu ${XDIST[*]}, limit ${T} s" >> "$BENCH_DIR/tests-gpu.log"
+        TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2} timeout -s INT -k 30 "$T" \
+            "$PY" -m pytest -q -m gpu "${XDIST[@]}" -rfEs --durations=15 -p no:cacheprovider --outcomes "$OUTCOMES" \
+            2>&1 | tee -a "$BENCH_DIR/tests-gpu.log"
         rc=${PIPESTATUS[0]}
-        # Ran (passed, failed, or stopped at the limit with a report): not again. Anything else (a collection
-        # or internal error, nothing collected) is tried again on the next call.
-        case "$rc" in 0|1|124) echo "$rc" > "$BENCH_DIR/tests-gpu.rc" ;; esac
-        echo "== GPU tests exit code $rc$([ "$rc" = 124 ] && echo ' (timed out: RERUN_TESTS=1 runs them again)')"
+        # Every test left ran (0: passed or skipped, 1: some failed, 5: none was left): done. Stopped at the
+        # limit (124) or anything else (a collection error): the next call goes on.
+        case "$rc" in 0|1|5) echo "$rc" > "$BENCH_DIR/tests-gpu.rc" ;; esac
+        echo "== GPU tests exit code $rc$([ "$rc" = 124 ] && echo ' (stopped at the limit: the next call runs the rest)')"
         pack
     fi
 fi
@@ -168,7 +185,9 @@ B=$(($(left) - 60))
 if [ "$B" -gt 30 ]; then
     echo "== python scripts/bench_gpu.py --out $BENCH_DIR --budget-s $B ${BENCH_ARGS:-}"
     # A rows file caught mid-line by a pack is read back without its torn last line (harness.results).
-    ( while sleep "${PACK_EVERY_S:-60}"; do pack; done ) &
+    # The sleep holds no copy of the job's output: one left behind when the packer is killed would keep
+    # whatever reads that output (a caller waiting for its end) waiting until it wakes.
+    ( while sleep "${PACK_EVERY_S:-60}" </dev/null >/dev/null 2>&1; do pack; done ) &
     PACKER=$!
     timeout -k 10 $((B + 60)) "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --budget-s "$B" ${BENCH_ARGS:-} \
         || timeout -k 5 60 "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --summary-only ${BENCH_ARGS:-}

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,12 @@ CONF = ROOT / "conf"
 VARIANT_YAMLS = sorted((CONF / "variant").glob("*.yaml"))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--outcomes", metavar="FILE", default=None,
+                     help="append each test's outcome to FILE (JSON lines) as it ends, and leave out the tests "
+                          "FILE already has: a run cut short by a time limit (the GPU tests) goes on where it stopped")
+
+
 def pytest_configure(config):
     """The CPU suite runs on the CPU, on a CUDA machine too: unless the run selects the GPU tests
     (``-m gpu``), CUDA is hidden from this process and from the harness processes its tests start, so
@@ -19,9 +27,54 @@ def pytest_configure(config):
     Set here, before anything initialises CUDA (importing torch does not)."""
     if not re.search(r"(?<!not )\bgpu\b", config.getoption("markexpr") or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    path = config.getoption("outcomes")
+    if path and not hasattr(config, "workerinput"):  # written by one process: pytest-xdist's controller
+        config.pluginmanager.register(Outcomes(Path(path)), "outcomes")
+
+
+class Outcomes:
+    """``--outcomes FILE``: one JSON line per test as its outcome is known, so that a run killed at a time
+    limit keeps what it ran; and ``reported(FILE)``, the tests a later run leaves out."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if path.exists() and not path.read_bytes().endswith(b"\n") and path.stat().st_size:
+            with path.open("a") as f:  # a line cut by a kill stays whole-less on its own, never joined to ours
+                f.write("\n")
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or not report.passed:  # setup's skips and errors, teardown's errors too
+            outcome = "error" if report.when != "call" and report.failed else report.outcome
+            if isinstance(report.longrepr, tuple):  # a skip: (path, line, "Skipped: reason")
+                message = report.longrepr[2]
+            else:
+                message = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
+            line = {"test": report.nodeid, "outcome": outcome, "seconds": round(report.duration, 3),
+                    "message": message and message.strip().splitlines()[0][:300],
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            with self.path.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
+def reported(path: Path) -> set[str]:
+    """The tests ``path`` (an ``--outcomes`` file) has an outcome for; a line cut by a kill is left out."""
+    done = set()
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            done.add(json.loads(line)["test"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return done
 
 
 def pytest_collection_modifyitems(config, items):
+    path = config.getoption("outcomes")
+    if path:
+        done = reported(Path(path))
+        left_out = [item for item in items if item.nodeid in done]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item.nodeid not in done]
     if torch.cuda.is_available():
         return
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES") == ""

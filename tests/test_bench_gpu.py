@@ -176,18 +176,25 @@ def test_shell_scripts_parse_and_speak_of_the_project_only(script):
     assert "carry" not in text
 
 
-def test_part_a_runs_what_the_targets_need_first(tmp_path):
-    """A job cut short by its budget has measured Table 21 (full's N×N backends) and the exponent series
-    before the rest; the other N×N backends come last."""
+def load_bench():
     import importlib.util
-
-    import torch
 
     spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
     bench = sys.modules["bench_gpu"] = importlib.util.module_from_spec(spec)  # registered: its dataclasses need it
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_what_the_targets_need_runs_first(tmp_path):
+    """A job cut short by its budget has measured the targets' points before the rest: the FA-2 shape at
+    its target length, Table 21 (full's N×N backends) and the exponent series from the fit's first
+    length; in each sweep the compiled backends come last, and the other N×N backends last of all."""
+    import torch
+
+    bench = load_bench()
+    assert bench.STEPS == ("roof", "c-targets", "a-targets", "d", "c", "a")
     labels = [label for label, _, _ in bench.VARIANTS]
-    ctx = bench.Context(bench.SMOKE_PLAN, tmp_path, torch.device("cpu"), None, print, labels)
+    ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cpu"), None, print, labels)
     steps = [step for _, step, *_ in bench.a_series(ctx)]
     assert steps[0] == "a:full:n2" and sorted(steps) == sorted(set(steps))
     targets = [f"a:{t}" for t in bench.EXPONENT_TARGETS]
@@ -196,8 +203,26 @@ def test_part_a_runs_what_the_targets_need_first(tmp_path):
     assert n2 and n2 == list(range(len(steps) - len(n2), len(steps)))  # the rest's N×N backends last
     for tier, step, variant, options, chosen in bench.a_series(ctx):
         assert all(bench.n2(variant, b) == step.endswith(":n2") for b in chosen), step
-        assert (tier <= 1) == (step == "a:full:n2" or step in targets), step  # a-targets: before part d
+        assert (tier <= 1) == (step == "a:full:n2" or step in targets), step
+    # a-targets: the same sweeps under their own names (part a still runs its own, with every length)
+    assert [s for _, s, *_ in bench.a_series(ctx, targets=True)] == [s.replace("a:", "a-targets:") for s in
+                                                                      ["a:full:n2", *targets]]
     assert not bench.n2("linear", "math") and bench.n2("full", "math") and bench.n2("sparse", "dense")
+    # The lengths each target step asks for, from the presets' own lists
+    assert bench.with_seq_lens("seq_len_scaling", ["variant=linear"], lambda n: n >= 4096) == [
+        "variant=linear", "seq_lens=[4096,8192,16384,32768,65536]"]
+    assert bench.with_seq_lens("fa2_full", ["seq_lens=[128,256]", "head_dim=16"], lambda n: n == 256) == [
+        "head_dim=16", "seq_lens=[256]"]
+
+
+def test_compiled_backends_run_last_in_their_sweep(tmp_path, monkeypatch):
+    import torch
+
+    bench = load_bench()
+    monkeypatch.setattr(bench, "backends", lambda variant, options, device: ["flex", "blocksparse", "dense", "xformers"])
+    ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cuda"), None, print, ["sliding_window"])
+    assert [(s, chosen) for _, s, _, _, chosen in bench.a_series(ctx)] == [
+        ("a:sliding_window", ["blocksparse", "xformers", "flex"]), ("a:sliding_window:n2", ["dense"])]
 
 
 def test_an_exponent_needs_every_length_of_its_range_and_memory_is_counted_exactly(smoke, tmp_path):
@@ -247,3 +272,48 @@ def test_gpu_job_help_prints_its_usage_and_an_unknown_argument_is_one_line(tmp_p
     assert (proc.returncode, proc.stdout, proc.stderr.count("\n")) == (2, "", 1), proc.stdout + proc.stderr
     assert proc.stderr.startswith("gpu_job.sh: unknown argument '--budget'; allowed: -h, --help"), proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_test_run_with_outcomes_goes_on_where_the_last_one_stopped(tmp_path):
+    """gpu_job.sh resumes the GPU tests over calls with --outcomes (tests/conftest.py): each outcome is
+    written as it is known, and a later run leaves out the tests the file has (a line cut by a kill is
+    ignored), so every test runs once over the calls."""
+    outcomes = tmp_path / "outcomes.jsonl"
+    first, second = "test_xformers_full_causal_bias_is_j_le_i", "test_xformers_sliding_window_bias_classes"
+
+    def pytest(selection: str, rc: int = 0) -> str:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--outcomes",
+                               str(outcomes), "-k", selection, "tests/test_gpu_backends.py"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == rc, proc.stdout[-2000:]
+        return proc.stdout
+
+    assert "1 passed" in pytest(first)
+    with outcomes.open("a") as f:
+        f.write('{"test": "tests/test_gpu_backends.py::test_backend_se')  # torn by a kill: not an outcome
+    out = pytest(f"{first} or {second} or test_backend_sets")
+    assert "2 passed" in out and "deselected" in out, out[-500:]
+    lines = outcomes.read_text().splitlines()
+    assert lines[1] == '{"test": "tests/test_gpu_backends.py::test_backend_se'  # left as it was, on its own line
+    assert [(json.loads(x)["test"].split("::")[1], json.loads(x)["outcome"]) for x in lines[:1] + lines[2:]] == [
+        (first, "passed"), (second, "passed"), ("test_backend_sets", "passed")]
+    pytest(f"{first} or {second} or test_backend_sets", rc=5)  # nothing left to run (gpu_job.sh: all have run)
+
+
+def test_the_job_runs_the_gpu_tests_once_and_summarises_their_outcomes(tmp_path):
+    """The job's test phase on a CPU machine (every GPU test collected, skipped for want of CUDA): each
+    outcome in tests-gpu.jsonl, the phase done (tests-gpu.rc), SUMMARY.md counting what the file says; a
+    second call runs no test again."""
+    env = (("SKIP_TESTS", "0"), ("BENCH_ARGS", "--smoke --steps roof"))
+    job(tmp_path, *env)
+    bench = tmp_path / "bench"
+    outcomes = [json.loads(x) for x in (bench / "tests-gpu.jsonl").read_text().splitlines()]
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
+                               cwd=ROOT, capture_output=True, text=True).stdout
+    n = int(re.search(r"(\d+)/\d+ tests collected", collected).group(1))
+    assert len(outcomes) == len({r["test"] for r in outcomes}) == n and {r["outcome"] for r in outcomes} == {"skipped"}
+    assert (bench / "tests-gpu.rc").read_text().strip() == "0"
+    assert f"{n} skipped; every test has run." in (bench / "SUMMARY.md").read_text()
+    log = (bench / "tests-gpu.log").read_text()
+    job(tmp_path, *env)
+    assert (bench / "tests-gpu.log").read_text() == log and len((bench / "tests-gpu.jsonl").read_text().splitlines()) == n
