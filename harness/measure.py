@@ -29,8 +29,22 @@ from typing import Callable
 # starts, so setting it here, before any measurement, is enough; an explicit setting is kept.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
+import logging  # noqa: E402
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+
+class _NoCudaRuntimeNote(logging.Filter):
+    """torch.utils.benchmark imports cpp_extension, which warns on stderr where a CUDA build of torch finds
+    a CUDA toolkit but no GPU (a cluster's login node): a note about building C++ extensions, which the
+    harness never does, that would make every run's output and one-line errors two lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+logging.getLogger("torch.utils.cpp_extension").addFilter(_NoCudaRuntimeNote())
 from torch.utils import benchmark  # noqa: E402
 
 from .config import PASSES, MeasureOptions  # noqa: E402

@@ -153,6 +153,19 @@ def test_bad_input_is_one_line_no_traceback_no_results(tmp_path):
         assert rows_of(out) == [], args
 
 
+def test_torchs_cuda_home_note_does_not_reach_the_output():
+    """A CUDA build of torch on a machine with a CUDA toolkit and no GPU (a cluster's login node) logs "No
+    CUDA runtime is found, using CUDA_HOME=..." when the CPU timer's import reaches cpp_extension; the
+    harness drops that one note (through torch's own log handler here), and only it."""
+    code = ("import logging, harness.measure\n"
+            "log = logging.getLogger('torch.utils.cpp_extension')\n"
+            "log.warning(\"No CUDA runtime is found, using CUDA_HOME='/usr/local'\")\n"
+            "log.warning('another note')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "another note" in proc.stderr, proc.stderr
+    assert "No CUDA runtime" not in proc.stderr, proc.stderr
+
+
 # What Hydra itself refuses (several lines and a hint, or a traceback), said in one line by what owns the
 # problem: the group's choices, harness.config's keys, the variant's Options. Exact lines: each names the
 # problem and lists what is allowed.
