@@ -121,7 +121,7 @@ class Context:
 
     def done(self, step: str) -> bool:
         """Whether a step is complete: a-targets and a by their sweeps (a-targets:<label>, a:<label>,
-        a:<label>:n2), the others by their own record."""
+        a:<label>:n2; a_series), the others by their own record."""
         if step in ("a", "a-targets"):
             return all(self.state.get(s) == "complete" for _, s, *_ in a_series(self, targets=step == "a-targets"))
         return self.state.get(step) == "complete"
@@ -186,8 +186,9 @@ def a_series(ctx: Context, targets: bool = False) -> list[tuple[int, str, str, d
     """Part a's sweeps (tier, step, variant, options, backends) in the order they run: what a target
     needs first (tier 0: full's N×N backends, Table 21; tier 1: the exponent series), then the other
     efficient variants and full's kernels (2), the other N×N backends last (3). ``targets``: tiers 0 and 1
-    only, as the steps of a-targets, which run before part d: a job cut short by its budget has spent it
-    on targets."""
+    only, for a-targets, which runs before part d: a job cut short by its budget has spent it on targets.
+    There tier 1 is narrowed to the exponent fit's lengths, a sweep of its own (a-targets:<label>); tier 0
+    is part a's own sweep (a:full:n2), not run twice."""
     import variants
 
     series = []
@@ -202,7 +203,7 @@ def a_series(ctx: Context, targets: bool = False) -> list[tuple[int, str, str, d
             else:
                 tier = 1 if label in EXPONENT_TARGETS else 2
             if chosen and (tier <= 1 or not targets):
-                step = f"{'a-targets' if targets else 'a'}:{label}{':n2' if square else ''}"
+                step = f"{'a-targets' if targets and tier == 1 else 'a'}:{label}{':n2' if square else ''}"
                 series.append((tier, step, variant, options, chosen))
     return sorted(series, key=lambda s: s[0])  # stable: VARIANTS' order in a tier
 

@@ -42,14 +42,15 @@ def job(tmp, *extra_env: tuple[str, str], args: str = "") -> subprocess.Complete
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
+    """The whole job, the GPU tests included (on CPU: every one collected, skipped for want of CUDA)."""
     tmp = tmp_path_factory.mktemp("gpu_job")
-    return tmp, job(tmp).stdout
+    return tmp, job(tmp, ("SKIP_TESTS", "0")).stdout
 
 
 def test_the_job_completes_and_brings_back_a_few_files(smoke):
     tmp, stdout = smoke
     assert stdout.rstrip().splitlines()[-1].startswith("gpu_job: complete")
-    assert sorted(p.name for p in (tmp / "out").iterdir()) == ["SUMMARY.md", "job.log", "results.tar.gz"]
+    assert sorted(p.name for p in (tmp / "out").iterdir()) == ["SUMMARY.md", "job.log", "results.tar.gz", "tests-gpu.log"]
     with tarfile.open(tmp / "out" / "results.tar.gz") as tar:
         names = tar.getnames()
     assert "bench/SUMMARY.md" in names and "bench/summary.json" in names and "bench/d/compare.jsonl" in names
@@ -109,14 +110,25 @@ def test_summary_states_the_numbers_of_the_files_and_skips_what_needs_cuda(smoke
         assert re.search(rf"\| {re.escape(r['label'])} \| {re.escape(r['name'])} \| {r['status']} \| {re.escape(ms)} \|", md), r
 
 
+def test_the_gpu_tests_outcomes_are_kept_and_summarised(smoke):
+    """Each GPU test's outcome in tests-gpu.jsonl, once; the phase done (tests-gpu.rc); SUMMARY.md counting
+    what the file says."""
+    tmp, _ = smoke
+    bench = tmp / "bench"
+    outcomes = [json.loads(x) for x in (bench / "tests-gpu.jsonl").read_text().splitlines()]
+    n = int(re.search(r"(\d+) skipped", (bench / "tests-gpu.log").read_text()).group(1))
+    assert len(outcomes) == len({r["test"] for r in outcomes}) == n > 100
+    assert {r["outcome"] for r in outcomes} == {"skipped"} and all(r["test"].startswith("tests/") for r in outcomes)
+    assert (bench / "tests-gpu.rc").read_text().strip() == "0"
+    assert f"{n} skipped; every test has run." in (bench / "SUMMARY.md").read_text()
+
+
 def test_a_rerun_measures_nothing_again_and_a_spent_budget_resumes(smoke, tmp_path):
     tmp, _ = smoke
-    before = {p: p.read_bytes() for p in (tmp / "bench").rglob("results.jsonl")}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--out",
-                           str(tmp / "bench"), "--variants", ",".join(LABELS)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and "-m harness" not in proc.stdout, proc.stdout[-2000:]
-    assert {p: p.read_bytes() for p in (tmp / "bench").rglob("results.jsonl")} == before
+    before = {p: p.read_bytes() for p in [*(tmp / "bench").rglob("results.jsonl"), *(tmp / "bench").glob("tests-gpu.*")]}
+    proc = job(tmp, ("SKIP_TESTS", "0"))  # the same job again: no test, no point run twice
+    assert "-m harness" not in proc.stdout and "pytest -q -m gpu" not in proc.stdout, proc.stdout[-2000:]
+    assert {p: p.read_bytes() for p in before} == before
     # A budget spent before a sweep starts leaves it pending; the next call runs it.
     out = tmp_path / "b"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--out", str(out), "--steps", "c"]
@@ -204,9 +216,10 @@ def test_what_the_targets_need_runs_first(tmp_path):
     for tier, step, variant, options, chosen in bench.a_series(ctx):
         assert all(bench.n2(variant, b) == step.endswith(":n2") for b in chosen), step
         assert (tier <= 1) == (step == "a:full:n2" or step in targets), step
-    # a-targets: the same sweeps under their own names (part a still runs its own, with every length)
-    assert [s for _, s, *_ in bench.a_series(ctx, targets=True)] == [s.replace("a:", "a-targets:") for s in
-                                                                      ["a:full:n2", *targets]]
+    # a-targets: Table 21's sweep itself, and the exponent series from 4K under their own names (part a
+    # still runs those, with every length)
+    assert [s for _, s, *_ in bench.a_series(ctx, targets=True)] == ["a:full:n2", *[s.replace("a:", "a-targets:")
+                                                                                    for s in targets]]
     assert not bench.n2("linear", "math") and bench.n2("full", "math") and bench.n2("sparse", "dense")
     # The lengths each target step asks for, from the presets' own lists
     assert bench.with_seq_lens("seq_len_scaling", ["variant=linear"], lambda n: n >= 4096) == [
@@ -298,22 +311,3 @@ def test_a_test_run_with_outcomes_goes_on_where_the_last_one_stopped(tmp_path):
     assert [(json.loads(x)["test"].split("::")[1], json.loads(x)["outcome"]) for x in lines[:1] + lines[2:]] == [
         (first, "passed"), (second, "passed"), ("test_backend_sets", "passed")]
     pytest(f"{first} or {second} or test_backend_sets", rc=5)  # nothing left to run (gpu_job.sh: all have run)
-
-
-def test_the_job_runs_the_gpu_tests_once_and_summarises_their_outcomes(tmp_path):
-    """The job's test phase on a CPU machine (every GPU test collected, skipped for want of CUDA): each
-    outcome in tests-gpu.jsonl, the phase done (tests-gpu.rc), SUMMARY.md counting what the file says; a
-    second call runs no test again."""
-    env = (("SKIP_TESTS", "0"), ("BENCH_ARGS", "--smoke --steps roof"))
-    job(tmp_path, *env)
-    bench = tmp_path / "bench"
-    outcomes = [json.loads(x) for x in (bench / "tests-gpu.jsonl").read_text().splitlines()]
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
-                               cwd=ROOT, capture_output=True, text=True).stdout
-    n = int(re.search(r"(\d+)/\d+ tests collected", collected).group(1))
-    assert len(outcomes) == len({r["test"] for r in outcomes}) == n and {r["outcome"] for r in outcomes} == {"skipped"}
-    assert (bench / "tests-gpu.rc").read_text().strip() == "0"
-    assert f"{n} skipped; every test has run." in (bench / "SUMMARY.md").read_text()
-    log = (bench / "tests-gpu.log").read_text()
-    job(tmp_path, *env)
-    assert (bench / "tests-gpu.log").read_text() == log and len((bench / "tests-gpu.jsonl").read_text().splitlines()) == n
