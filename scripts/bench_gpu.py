@@ -508,8 +508,9 @@ def fmt(x: Any, digits: int = 4) -> str:
 
 
 def table(head: list[str], body: list[list[Any]]) -> list[str]:
+    """A Markdown table; a | inside a cell (a test's failure message) is escaped, not a column."""
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
-        "| " + " | ".join(fmt(c) for c in row) + " |" for row in body]
+        "| " + " | ".join(fmt(c).replace("|", "\\|") for c in row) + " |" for row in body]
 
 
 def target(name: str, text: str, value: float | None, ok: Callable[[float], bool], detail: str,
