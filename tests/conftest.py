@@ -39,7 +39,7 @@ class Outcomes:
     def __init__(self, path: Path) -> None:
         self.path = path
         if path.exists() and not path.read_bytes().endswith(b"\n") and path.stat().st_size:
-            with path.open("a") as f:  # a line cut by a kill stays whole-less on its own, never joined to ours
+            with path.open("a") as f:  # a line cut by a kill stays on a line of its own, never joined to ours
                 f.write("\n")
 
     def pytest_runtest_logreport(self, report):
@@ -50,7 +50,7 @@ class Outcomes:
             else:
                 message = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
             line = {"test": report.nodeid, "outcome": outcome, "seconds": round(report.duration, 3),
-                    "message": message and message.strip().splitlines()[0][:300],
+                    "message": next(iter((message or "").strip().splitlines()), "")[:300] or None,
                     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             with self.path.open("a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -58,13 +58,12 @@ class Outcomes:
 
 def reported(path: Path) -> set[str]:
     """The tests ``path`` (an ``--outcomes`` file) has an outcome for; a line cut by a kill is left out."""
-    done = set()
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            done.add(json.loads(line)["test"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return done
+    from harness.results import read_jsonl
+
+    if not path.exists():
+        return set()
+    return {r["test"] for r in read_jsonl(path, check=lambda r: None if isinstance(r, dict) and "test" in r
+                                          else "not a test outcome")}
 
 
 def pytest_collection_modifyitems(config, items):
