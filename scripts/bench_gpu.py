@@ -27,7 +27,8 @@ and harness.report's plots and tables for a/ and c/ (a/report/, c/report/).
 
 --budget-s bounds the invocation: a sweep still running when it is spent gets SIGTERM (its jobs record
 status interrupted and resume on the next invocation). --smoke: the same code at tiny sizes, float32
-on CPU; what needs CUDA (roof, raw do_bench, xformers, FlexAttention's backward) is recorded skipped.
+on CPU; what needs CUDA (roof, xformers, FlexAttention's backward, the kernels SDPA pins) is recorded
+skipped, and the overhead cases that run on CPU are timed against torch.utils.benchmark instead of do_bench.
 """
 
 from __future__ import annotations
@@ -437,30 +438,51 @@ def apart(ctx: Context, step: str) -> None:
         ctx.log(f"[{step}] its process ended with exit {rc}: what it wrote is kept; run again to continue")
 
 
+def raw_timer(device: torch.device) -> Callable[[Callable[[], Any], int, list[torch.Tensor]], float]:
+    """(fn, rep_ms, grads) -> median ms of a bare call: triton's do_bench on CUDA; on CPU (the dry run)
+    torch.utils.benchmark's blocked_autorange, gradients cleared before each call as do_bench does."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn, rep, grads: do_bench(fn, rep=rep, grad_to_none=grads, return_mode="median")
+    from torch.utils import benchmark
+
+    def cpu(fn: Callable[[], Any], rep: int, grads: list[torch.Tensor]) -> float:
+        def call() -> None:
+            for t in grads:
+                t.grad = None
+            fn()
+        timer = benchmark.Timer("call()", globals={"call": call}, num_threads=torch.get_num_threads())  # its default: 1
+        return timer.blocked_autorange(min_run_time=rep / 1e3).median * 1e3
+    return cpu
+
+
 def overhead(ctx: Context) -> None:
     """The harness's fwd and fwd_bwd medians against raw do_bench of the same callable and shape (raw
-    before and after the harness; their mean is the reference)."""
+    before and after the harness; their mean is the reference). On CPU the same code runs the cases
+    whose backend runs there, against torch.utils.benchmark: the dry run's check of the path, no target."""
     path = ctx.out / "d" / "overhead.json"
     if path.exists():
         return
-    if ctx.device.type != "cuda":
-        return write_json(path, {"status": NEEDS_CUDA, "cases": []})
     import variants
-    from triton.testing import do_bench
 
     from harness.memory import release_memory
     from harness.run import run
 
     (B, H, D), N, rep = ctx.plan.shape, ctx.plan.overhead_seq_len, 100
+    dtype, raw_ms = ctx.plan.dtype if ctx.device.type == "cuda" else "float32", raw_timer(ctx.device)
     cases = []
     for variant, backend in OVERHEAD_CASES:
         case: dict[str, Any] = {"variant": variant, "backend": backend, "seq_len": N, "status": "ok"}
         try:
             # The same work as the harness's: no gradients for the variant's own parameters (linear's E, F;
             # measure.param_grads is off), input gradients cleared before every call.
-            attn = variants.build(variant, backend=backend).to(ctx.device).requires_grad_(False)
+            attn = variants.build(variant, backend=backend).requires_grad_(False)
+            if backend not in attn.available_backends(ctx.device):
+                raise Unavailable(NEEDS_CUDA)
+            attn = attn.to(ctx.device)
             g = torch.Generator(device=ctx.device).manual_seed(0)
-            q, k, v, dout = (torch.randn((B, H, N, D), generator=g, device=ctx.device, dtype=torch.float16)
+            q, k, v, dout = (torch.randn((B, H, N, D), generator=g, device=ctx.device, dtype=getattr(torch, dtype))
                              for _ in range(4))
             for t in (q, k, v):
                 t.requires_grad_()
@@ -468,25 +490,31 @@ def overhead(ctx: Context) -> None:
             calls["fwd_bwd"]()
 
             def raw_times() -> dict[str, float]:
-                return {p: do_bench(c, rep=rep, grad_to_none=[q, k, v], return_mode="median") for p, c in calls.items()}
+                return {p: raw_ms(c, rep, [q, k, v]) for p, c in calls.items()}
             raw = [raw_times()]
             cfg = {"variant": {"_target_": type(attn).__module__.split(".")[0] + "." + type(attn).__name__,
                                "backend": backend},
-                   "seq_lens": [N], "batch_size": B, "num_heads": H, "head_dim": D, "dtype": "float16",
-                   "device": "cuda", "fidelity": {"enabled": False}, "logger": {"name": "none"},
-                   "measure": {"passes": ["fwd", "fwd_bwd"], "memory": False, "min_run_time": rep / 1e3}}
+                   "seq_lens": [N], "batch_size": B, "num_heads": H, "head_dim": D, "dtype": dtype,
+                   "device": ctx.device.type, "fidelity": {"enabled": False}, "logger": {"name": "none"},
+                   "measure": {"passes": ["fwd", "fwd_bwd"], "memory": False, "min_run_time": rep / 1e3},
+                   # measured now, between the raw timings: a row an interrupted earlier call stored (maybe
+                   # on another machine) would be compared with this call's raw numbers
+                   "resume": False}
             rec = run(cfg, output_dir=ctx.out / "d" / "overhead" / variant).rows[-1].record()
             raw.append(raw_times())
             for p in calls:
                 ref = (raw[0][p] + raw[1][p]) / 2
                 case[p] = {"harness_ms": rec[f"{p}_ms"], "raw_ms": [raw[0][p], raw[1][p]],
                            "overhead": None if rec[f"{p}_ms"] is None else rec[f"{p}_ms"] / ref - 1}
+        except Unavailable as e:
+            case.update(status="skipped", reason=str(e))
         except Exception as e:
             case.update(status="error", reason=one_line(f"{type(e).__name__}: {e}")[:300])
         release_memory(ctx.device)
         cases.append(case)
         ctx.log(f"[d] overhead {variant}/{backend}: {case}")
-    write_json(path, {"status": "ok", "timer": f"do_bench(median, rep={rep} ms)", "cases": cases, "date": now()})
+    write_json(path, {"status": "ok", "timer": f"{'do_bench' if ctx.device.type == 'cuda' else 'blocked_autorange'}"
+                      f"(median, rep={rep} ms)", "cases": cases, "date": now()})
 
 
 # ----- summary -------------------------------------------------------------------------------------

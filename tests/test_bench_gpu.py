@@ -3,8 +3,9 @@
 The dry run is the GPU benchmark's own code at tiny sizes in float32: the harness's sweeps (the
 seq_len_scaling and fa2_full presets) for a few variants × every CPU backend, the comparisons in one
 process, the summary and harness.report's reports. What needs CUDA (the matmul roof, Table 21 in fp16,
-raw do_bench, xformers, FlexAttention's backward) must be recorded as skipped, never as met or missed,
-and every number SUMMARY.md shows must be the one in the results files.
+xformers, FlexAttention's backward; do_bench, for which the overhead cases take torch.utils.benchmark)
+must be recorded as skipped, never as met or missed, and every number SUMMARY.md shows must be the one
+in the results files.
 """
 
 from __future__ import annotations
@@ -109,6 +110,23 @@ def test_summary_states_the_numbers_of_the_files_and_skips_what_needs_cuda(smoke
         ms = "-" if r.get("fwd_bwd_ms") is None else f"{r['fwd_bwd_ms']:.4g}"
         name = r["name"].replace("|", "\\|")  # a | in a kernel's name (|q-kv| <= w) is escaped in the table
         assert re.search(rf"\| {re.escape(r['label'])} \| {re.escape(name)} \| {r['status']} \| {re.escape(ms)} \|", md), r
+
+
+def test_the_overhead_path_runs_the_harness_on_cpu_too(smoke):
+    """The overhead cases run through harness.run from a config this script writes: on CPU the cases whose
+    backend runs there are measured (against torch.utils.benchmark), so a config the harness refuses
+    shows here, not first on a GPU; the others are skipped with the reason; the target needs CUDA."""
+    tmp, _ = smoke
+    ov = json.loads((tmp / "bench" / "d" / "overhead.json").read_text())
+    cases = {(c["variant"], c["backend"]): c for c in ov["cases"]}
+    assert cases[("linear", "sdpa")]["status"] == "ok", cases
+    assert [c["reason"] for k, c in cases.items() if k != ("linear", "sdpa")] == ["skipped: needs CUDA"] * 2
+    (row,) = load_rows(tmp / "bench" / "d" / "overhead" / "linear")
+    for p in ("fwd", "fwd_bwd"):
+        case = cases[("linear", "sdpa")][p]
+        assert case["harness_ms"] == row[f"{p}_ms"] and len(case["raw_ms"]) == 2
+        assert case["overhead"] == pytest.approx(row[f"{p}_ms"] / (sum(case["raw_ms"]) / 2) - 1)
+    assert (row["seq_len"], row["batch_size"], row["dtype"], row["device"]) == (256, 1, "float32", "cpu")
 
 
 def test_the_gpu_tests_outcomes_are_kept_and_summarised(smoke):
