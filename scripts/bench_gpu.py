@@ -276,12 +276,42 @@ def fwd_bwd_call(f: Callable, shape: tuple[int, ...], dtype: torch.dtype, device
     return call
 
 
+def public_specs(label: str, attn, B: int, N: int, device: torch.device) -> dict[str, tuple[str, Any]]:
+    """The best public kernels for a variant's pattern, as what defines the pairs each one computes: name ->
+    ("xformers", attn_bias module -> bias over (N, N)), ("xformers_flat", ... -> bias over the batch's
+    B·N rows flattened), ("flex", factory of a mask_mod) or ("sdpa_blocks", block size). tests/test_bench_gpu.py
+    materializes each on CPU against the variant's mask: a ratio between two different functions would
+    mean nothing."""
+    if label == "sliding_window":
+        w = attn.options.window
+        return {f"xformers LocalAttentionFromBottomRightMask({w}, {w})":
+                ("xformers", lambda ab: ab.LocalAttentionFromBottomRightMask(window_left=w, window_right=w)),
+                f"FlexAttention mask_mod |q-kv| <= {w}": ("flex", lambda: (lambda b, h, q, kv: (q - kv).abs() <= w))}
+    if label == "blockwise-local":
+        b = attn.options.block_size
+        per_seq = [b] * (N // b) + ([N % b] if N % b else [])  # the last block shorter, as the variant's
+        specs = {f"xformers BlockDiagonalMask (blocks of {b})":
+                 ("xformers_flat", lambda ab: ab.BlockDiagonalMask.from_seqlens(per_seq * B, device=device)),
+                 f"FlexAttention mask_mod q//{b} == kv//{b}": ("flex", lambda: (lambda bb, h, q, kv: q // b == kv // b))}
+        if N % b == 0:
+            specs[f"SDPA{' flash' if device.type == 'cuda' else ''} on (B·N/{b}, H, {b}, D) blocks"] = ("sdpa_blocks", b)
+        return specs
+    bs = attn.engine_block_size(N)  # sparse: the variant's own block layout, as a mask_mod
+
+    def layout_mod():
+        from variants.flex import _layout_lookup  # padded: the kernel's last tile may reach past N
+
+        allowed = _layout_lookup(attn.layout(N, False), bs, N, device)
+        return lambda b, h, q, kv: allowed(q, kv)
+    return {f"FlexAttention mask_mod layout[q//{bs}, kv//{bs}]": ("flex", layout_mod)}
+
+
 def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torch.dtype,
                    device: torch.device) -> dict[str, Callable[[], Callable[[], None]]]:
-    """The best public kernels for a variant's pattern: name -> builder of a forward+backward call."""
+    """public_specs as builders of a forward+backward call, each on inputs in the kernel's own layout."""
     cuda, scale = device.type == "cuda", D ** -0.5
 
-    def xformers(bias_fn, flat: bool = False):
+    def xformers(bias_fn, flat: bool):
         def build():
             if not cuda:
                 raise Unavailable(f"{NEEDS_CUDA} (xformers runs no attention on CPU)")
@@ -313,7 +343,7 @@ def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torc
             return fwd_bwd_call(lambda q, k, v: fn(q, k, v, block_mask=bm, scale=scale), (B, H, N, D), dtype, device)
         return build
 
-    def sdpa(shape):
+    def sdpa_blocks(b):
         def build():
             import torch.nn.functional as F
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -323,30 +353,12 @@ def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torc
                     return F.scaled_dot_product_attention(q, k, v, scale=scale)
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                     return F.scaled_dot_product_attention(q, k, v, scale=scale)
-            return fwd_bwd_call(f, shape, dtype, device)
+            return fwd_bwd_call(f, (B * N // b, H, b, D), dtype, device)
         return build
 
-    if label == "sliding_window":
-        w = attn.options.window
-        return {f"xformers LocalAttentionFromBottomRightMask({w}, {w})":
-                xformers(lambda ab: ab.LocalAttentionFromBottomRightMask(window_left=w, window_right=w)),
-                f"FlexAttention mask_mod |q-kv| <= {w}": flex(lambda: (lambda b, h, q, kv: (q - kv).abs() <= w))}
-    if label == "blockwise-local":
-        b = attn.options.block_size
-        kernels = {f"xformers BlockDiagonalMask (blocks of {b})":
-                   xformers(lambda ab: ab.BlockDiagonalMask.from_seqlens([b] * (B * N // b), device=device), flat=True),
-                   f"FlexAttention mask_mod q//{b} == kv//{b}": flex(lambda: (lambda bb, h, q, kv: q // b == kv // b))}
-        if N % b == 0:
-            kernels[f"SDPA{' flash' if cuda else ''} on (B·N/{b}, H, {b}, D) blocks"] = sdpa((B * N // b, H, b, D))
-        return kernels
-    bs = attn.engine_block_size(N)  # sparse: the variant's own block layout, as a mask_mod
-
-    def layout_mod():
-        from variants.flex import _layout_lookup  # padded: the kernel's last tile may reach past N
-
-        allowed = _layout_lookup(attn.layout(N, False), bs, N, device)
-        return lambda b, h, q, kv: allowed(q, kv)
-    return {f"FlexAttention mask_mod layout[q//{bs}, kv//{bs}]": flex(layout_mod)}
+    builders = {"xformers": lambda x: xformers(x, False), "xformers_flat": lambda x: xformers(x, True),
+                "flex": flex, "sdpa_blocks": sdpa_blocks}
+    return {name: builders[kind](what) for name, (kind, what) in public_specs(label, attn, B, N, device).items()}
 
 
 def timed(ctx: Context, build: Callable[[], Callable[[], None]]) -> dict[str, Any]:

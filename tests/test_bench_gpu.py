@@ -20,6 +20,7 @@ import tarfile
 import time
 
 import pytest
+import torch
 
 import variants
 from harness.results import FIELDS, fit_exponents, latest, load_rows
@@ -245,6 +246,40 @@ def test_what_the_targets_need_runs_first(tmp_path):
         "variant=linear", "seq_lens=[4096,8192,16384,32768,65536]"]
     assert bench.with_seq_lens("fa2_full", ["seq_lens=[128,256]", "head_dim=16"], lambda n: n == 256) == [
         "head_dim=16", "seq_lens=[256]"]
+
+
+@pytest.mark.parametrize("N", [1024, 1000])
+def test_each_public_kernel_computes_the_variants_pairs(N):
+    """Part d's ratio compares two kernels only if they compute one function: each public kernel's mask
+    (xformers' bias materialized, FlexAttention's mask_mod evaluated, SDPA's blocks) is the variant's,
+    at the benchmark's options, the flattened batch's sequences kept apart, N a multiple of the blocks
+    or not."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from variants.xformers_backend import xformers_ops
+
+    bench, B = load_bench(), 2
+    for label, variant, options in bench.VARIANTS:
+        if label not in bench.COMPARED:
+            continue
+        attn = variants.build(variant, **options)
+        want = attn.mask(N, False)
+        specs = bench.public_specs(label, attn, B, N, torch.device("cpu"))
+        assert specs, label
+        for name, (kind, what) in specs.items():
+            if kind == "flex":
+                got = create_mask(what(), 1, 1, N, N, "cpu")[0, 0]
+            elif kind == "sdpa_blocks":
+                i = torch.arange(N)
+                got = i[:, None] // what == i[None, :] // what
+            else:
+                rows = B * N if kind == "xformers_flat" else N
+                bias = what(xformers_ops().fmha.attn_bias)
+                got = bias.materialize((rows, rows), dtype=torch.float32, device="cpu") == 0
+                want_here = torch.block_diag(*[want] * B) if kind == "xformers_flat" else want
+                assert torch.equal(got, want_here), (label, name, N)
+                continue
+            assert torch.equal(got, want), (label, name, N)
 
 
 def test_compiled_backends_run_last_in_their_sweep(tmp_path, monkeypatch):
