@@ -18,8 +18,9 @@ skips the points it has, a finished step is not run again):
              against raw do_bench of the same callable -> d/compare.jsonl, d/overhead.json
   c          fa2_full at every N (the points c-targets measured are kept, not measured again)
   a          seq_len_scaling (FA-1 shape: B=16, H=8, D=64, fp16, N=128…65536) once per variant with every
-             backend the device has (compiled ones last in each sweep, the other N×N backends last of
-             all): the harness stops a series at its first oom (the OOM frontier) -> a/<variant>/<job>/
+             backend the device has (the backends compiled per N in a later sweep of their own, the other
+             N×N backends last of all): the harness stops a series at its first oom (the OOM frontier)
+             -> a/<variant>/<job>/
 Every step runs in a process of its own (c and a: the harness's sweeps; roof and d: this script again),
 so this one holds no GPU memory while a sweep measures, and a crash ends a step, not the job.
 Then SUMMARY.md and summary.json (targets: met | missed, with the gap | not measured | skipped on CPU),
@@ -121,8 +122,8 @@ class Context:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
     def done(self, step: str) -> bool:
-        """Whether a step is complete: a-targets and a by their sweeps (a-targets:<label>, a:<label>,
-        a:<label>:n2; a_series), the others by their own record."""
+        """Whether a step is complete: a-targets and a by their sweeps (a-targets:<label>[:compiled],
+        a:<label>[:compiled|:n2]; a_series), the others by their own record."""
         if step in ("a", "a-targets"):
             return all(self.state.get(s) == "complete" for _, s, *_ in a_series(self, targets=step == "a-targets"))
         return self.state.get(step) == "complete"
@@ -180,31 +181,33 @@ def sweep(ctx: Context, step: str, preset: str, overrides: list[str], sweep_dir:
         ctx.log(f"[{step}] exit {rc}: once more, resuming")
 
 
-COMPILED = ("flex",)  # backends that compile per N: last in their sweep, after the kernels that do not
+COMPILED = ("flex",)  # backends that compile per N (tens of seconds each): a series of their own, later
 
 
 def a_series(ctx: Context, targets: bool = False) -> list[tuple[int, str, str, dict[str, Any], list[str]]]:
     """Part a's sweeps (tier, step, variant, options, backends) in the order they run: what a target
-    needs first (tier 0: full's N×N backends, Table 21; tier 1: the exponent series), then the other
-    efficient variants and full's kernels (2), the other N×N backends last (3). ``targets``: tiers 0 and 1
-    only, for a-targets, which runs before part d: a job cut short by its budget has spent it on targets.
-    There tier 1 is narrowed to the exponent fit's lengths, a sweep of its own (a-targets:<label>); tier 0
-    is part a's own sweep (a:full:n2), not run twice."""
+    needs first (tier 0: full's N×N backends, Table 21; tiers 1 and 2: the exponent series, the kernels
+    that compile per N after every one that does not), then the other efficient variants and full's
+    kernels (3, compiled ones 4), the other N×N backends last (5). A variant's compiled backends are a
+    sweep of their own (step <label>:compiled, the same job directories), so a call cut short by its budget
+    has not spent it compiling one variant's kernels while another's series waits. ``targets``: tiers 0 to 2
+    only, for a-targets, which runs before part d. There tiers 1 and 2 are narrowed to the exponent fit's
+    lengths, sweeps of their own (a-targets:<label>...); tier 0 is part a's own sweep (a:full:n2), not run
+    twice."""
     import variants
 
     series = []
     for label, variant, options in VARIANTS:
         if variant not in variants.REGISTRY or label not in ctx.labels:
             continue
-        names = backends(variant, options, ctx.device)
-        for square in (False, True):
-            chosen = sorted((b for b in names if n2(variant, b) == square), key=lambda b: b in COMPILED)
-            if square:
-                tier = 0 if label == "full" else 3
-            else:
-                tier = 1 if label in EXPONENT_TARGETS else 2
-            if chosen and (tier <= 1 or not targets):
-                step = f"{'a-targets' if targets and tier == 1 else 'a'}:{label}{':n2' if square else ''}"
+        kinds = {b: ":n2" if n2(variant, b) else ":compiled" if b in COMPILED else ""
+                 for b in backends(variant, options, ctx.device)}
+        target = label in EXPONENT_TARGETS
+        for kind, tier in (("", 1 if target else 3), (":compiled", 2 if target else 4),
+                           (":n2", 0 if label == "full" else 5)):
+            chosen = [b for b, k in kinds.items() if k == kind]
+            if chosen and (tier <= 2 or not targets):
+                step = f"{'a-targets' if targets and tier in (1, 2) else 'a'}:{label}{kind}"
                 series.append((tier, step, variant, options, chosen))
     return sorted(series, key=lambda s: s[0])  # stable: VARIANTS' order in a tier
 
@@ -222,7 +225,7 @@ def part_a(ctx: Context, targets: bool = False) -> None:
     for tier, step, variant, options, chosen in a_series(ctx, targets):
         overrides = [f"variant={variant}", f"variant.backend={','.join(chosen)}",
                      *[f"variant.{k}={v}" for k, v in options.items()], *ctx.plan.a]
-        if targets and tier == 1:  # the exponent series from the fit's first length; part a adds the rest
+        if targets and tier in (1, 2):  # the exponent series from the fit's first length; part a adds the rest
             overrides = with_seq_lens("seq_len_scaling", overrides, lambda n: n >= ctx.plan.exponent_range[0])
         sweep(ctx, step, "seq_len_scaling", overrides, ctx.out / "a" / step.split(":")[1])
 
@@ -307,8 +310,9 @@ def public_specs(label: str, attn, B: int, N: int, device: torch.device) -> dict
 
 
 def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torch.dtype,
-                   device: torch.device) -> dict[str, Callable[[], Callable[[], None]]]:
-    """public_specs as builders of a forward+backward call, each on inputs in the kernel's own layout."""
+                   device: torch.device) -> dict[str, tuple[str, Callable[[], Callable[[], None]]]]:
+    """public_specs as builders of a forward+backward call, each on inputs in the kernel's own layout:
+    name -> (kind, build)."""
     cuda, scale = device.type == "cuda", D ** -0.5
 
     def xformers(bias_fn, flat: bool):
@@ -358,7 +362,8 @@ def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torc
 
     builders = {"xformers": lambda x: xformers(x, False), "xformers_flat": lambda x: xformers(x, True),
                 "flex": flex, "sdpa_blocks": sdpa_blocks}
-    return {name: builders[kind](what) for name, (kind, what) in public_specs(label, attn, B, N, device).items()}
+    specs = public_specs(label, attn, B, N, device)
+    return {name: (kind, builders[kind](what)) for name, (kind, what) in specs.items()}
 
 
 def timed(ctx: Context, build: Callable[[], Callable[[], None]]) -> dict[str, Any]:
@@ -389,11 +394,32 @@ def timed(ctx: Context, build: Callable[[], Callable[[], None]]) -> dict[str, An
     return row
 
 
-def part_d(ctx: Context) -> None:
+def d_kernels(ctx: Context) -> list[tuple[str, str, bool, Callable[[], Callable[[], None]]]]:
+    """(label, name, compiled, build) of every kernel part d times, in the order it times them: each
+    compared variant's own backends and public kernels, those compiled per call shape (flex,
+    FlexAttention) after every one that is not, so that a call cut short by its budget has not spent it
+    compiling."""
     import variants
 
     (B, H, D), N = ctx.plan.shape, ctx.plan.compare_seq_len
     dtype = getattr(torch, ctx.plan.dtype if ctx.device.type == "cuda" else "float32")
+    kernels = []
+    for label, variant, options in VARIANTS:
+        if label not in COMPARED or label not in ctx.labels:
+            continue
+        attn = variants.build(variant, **options)
+
+        def ours(backend: str, variant=variant, options=options) -> Callable[[], Callable[[], None]]:
+            return lambda: fwd_bwd_call(variants.build(variant, **options, backend=backend).to(ctx.device),
+                                        (B, H, N, D), dtype, ctx.device)
+        kernels += [(label, f"ours {b}", b in COMPILED, ours(b)) for b in attn.available_backends(ctx.device)
+                    if not n2(variant, b)]
+        kernels += [(label, name, kind == "flex", build)
+                    for name, (kind, build) in public_kernels(label, attn, B, H, N, D, dtype, ctx.device).items()]
+    return sorted(kernels, key=lambda k: k[2])  # stable: VARIANTS' order otherwise
+
+
+def part_d(ctx: Context) -> None:
     path = ctx.out / "d" / "compare.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     # What is measured, or skipped/unavailable for a reason, is kept; an error is tried once more on a
@@ -402,29 +428,23 @@ def part_d(ctx: Context) -> None:
     for r in side_rows(path):
         tries.setdefault((r["label"], r["name"]), []).append(r["status"])
     have = {key for key, st in tries.items() if st[-1] != "error" or len(st) >= 2}
-    for label, variant, options in VARIANTS:
-        if label not in COMPARED or label not in ctx.labels:
+    for label, name, compiled, build in d_kernels(ctx):
+        if (label, name) in have:
             continue
-        attn = variants.build(variant, **options)
-
-        def ours(backend: str) -> Callable[[], Callable[[], None]]:
-            return lambda: fwd_bwd_call(variants.build(variant, **options, backend=backend).to(ctx.device),
-                                        (B, H, N, D), dtype, ctx.device)
-        ours = {f"ours {b}": ours(b) for b in attn.available_backends(ctx.device) if not n2(variant, b)}
-        for name, build in {**ours, **public_kernels(label, attn, B, H, N, D, dtype, ctx.device)}.items():
-            if (label, name) in have:
-                continue
-            if ctx.left() < 20:
-                ctx.log("[d] the budget is spent: run again to continue")
-                return
-            row = {"label": label, "seq_len": N, "kind": name.split()[0] if name.startswith("ours") else "public",
-                   "name": name, **timed(ctx, build), "date": now()}
-            with path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            ctx.log(f"[d] {label} N={N} {name}: {row['status']} {fmt(row.get('fwd_bwd_ms'))} ms"
-                    + (f" ({row['reason']})" if row["reason"] else ""))
-            if ctx.lost:
-                return
+        if ctx.left() < 20:
+            ctx.log("[d] the budget is spent: run again to continue")
+            return
+        if compiled:
+            overhead(ctx)  # a target, and seconds: before the compilations (once: it keeps its file)
+        row = {"label": label, "seq_len": ctx.plan.compare_seq_len,
+               "kind": name.split()[0] if name.startswith("ours") else "public", "name": name,
+               **timed(ctx, build), "date": now()}
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        ctx.log(f"[d] {label} N={row['seq_len']} {name}: {row['status']} {fmt(row.get('fwd_bwd_ms'))} ms"
+                + (f" ({row['reason']})" if row["reason"] else ""))
+        if ctx.lost:
+            return
     overhead(ctx)
     ctx.finish("d", "complete")
 
@@ -626,6 +646,10 @@ def analyse(ctx: Context) -> dict[str, Any]:
                                   key=lambda r: (r["head_dim"], r["causal"], -(r.get("tflops_fwd_useful") or 0)))]
 
     compare = side_rows(out / "d" / "compare.jsonl")
+    pending: dict[str, list[str]] = {}  # kernels part d has yet to time: a ratio without them is not judged
+    for label, name, *_ in d_kernels(ctx):
+        if not any(r["label"] == label and r["name"] == name for r in compare):
+            pending.setdefault(label, []).append(name)
     for label in COMPARED:
         rows = [r for r in compare if r["label"] == label and r["status"] == "ok"]
         ours = min((r for r in rows if r["kind"] == "ours"), key=lambda r: r["fwd_bwd_ms"], default=None)
@@ -643,8 +667,11 @@ def analyse(ctx: Context) -> dict[str, Any]:
                                "own": own and own["name"], "own_ms": own and own["fwd_bwd_ms"], "own_ratio": own_ratio})
         res["targets"].append(target(
             f"compare_{label}", f"{label}: best backend >= 0.9x the speed of the best public kernel (one run)",
-            ratio, lambda v: v >= 0.9, f"{fmt(ours and ours['name'])} vs {fmt(pub and pub['name'])}; our own "
-            f"kernel ({fmt(own and own['name'])}): {fmt(own_ratio)}", cpu and ratio is None,
+            None if label in pending else ratio, lambda v: v >= 0.9,
+            f"{fmt(ours and ours['name'])} vs {fmt(pub and pub['name'])}: {fmt(ratio)}; our own kernel "
+            f"({fmt(own and own['name'])}): {fmt(own_ratio)}"
+            + (f"; not yet timed: {', '.join(pending[label])}" if label in pending else ""),
+            cpu and ratio is None and label not in pending,
             lambda v: f"ours takes {1 / v:.2f}x the public kernel's time"))
 
     lo, hi = plan.exponent_range
