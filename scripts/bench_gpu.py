@@ -585,6 +585,12 @@ def target(name: str, text: str, value: float | None, ok: Callable[[float], bool
             "gap": gap(value) if status == "missed" else None}
 
 
+def not_yet(wanted: list[str], have: set[str]) -> str:
+    """"not yet measured: ..." for what a target waits for (``wanted`` not in ``have``), else ""."""
+    missing = [w for w in wanted if w not in have]
+    return f"not yet measured: {', '.join(missing)}" if missing else ""
+
+
 def analyse(ctx: Context) -> dict[str, Any]:
     """Every number SUMMARY.md states, from the files in ``out``."""
     out, plan, cpu = ctx.out, ctx.plan, ctx.device.type != "cuda"
@@ -632,9 +638,13 @@ def analyse(ctx: Context) -> dict[str, Any]:
     best = max(fwd, key=lambda x: x[1], default=None)
     rate = (roof.get("tflops") or {}).get("bfloat16")
     share = best[1] / rate if best and rate else None
+    # Judged once every full backend has its row there (measured or not): not on the first ones timed
+    waiting = not_yet(backends("full", {}, ctx.device),
+                      {r["backend"] for r in c if (r["seq_len"], r["head_dim"], r["causal"]) == (n, d, False)})
     res["targets"].append(target(
         "full_roof", f"full's best backend >= 60% of the bf16 matmul roof, forward, N={n}, D={d}, non-causal",
-        share, lambda v: v >= 0.6, f"{best[0]} {best[1]:.1f} TFLOP/s vs roof {fmt(rate)}" if best else "", cpu,
+        None if waiting else share, lambda v: v >= 0.6,
+        "; ".join(filter(None, [best and f"{best[0]} {best[1]:.1f} TFLOP/s vs roof {fmt(rate)}", waiting])), cpu,
         lambda v: f"{(0.6 - v) * rate:.1f} TFLOP/s short of 60% ({v:.1%} of the roof)"))
 
     # Every full backend at the FA-2/FA-3 shape's longest N: useful TFLOP/s (FA-2's convention: causal
@@ -646,11 +656,11 @@ def analyse(ctx: Context) -> dict[str, Any]:
                                   key=lambda r: (r["head_dim"], r["causal"], -(r.get("tflops_fwd_useful") or 0)))]
 
     compare = side_rows(out / "d" / "compare.jsonl")
-    pending: dict[str, list[str]] = {}  # kernels part d has yet to time: a ratio without them is not judged
-    for label, name, *_ in d_kernels(ctx):
-        if not any(r["label"] == label and r["name"] == name for r in compare):
-            pending.setdefault(label, []).append(name)
+    kernels = d_kernels(ctx)
     for label in COMPARED:
+        # Judged once part d has timed each of the pattern's kernels, not on the first ones timed
+        waiting = not_yet([name for lb, name, *_ in kernels if lb == label],
+                          {r["name"] for r in compare if r["label"] == label})
         rows = [r for r in compare if r["label"] == label and r["status"] == "ok"]
         ours = min((r for r in rows if r["kind"] == "ours"), key=lambda r: r["fwd_bwd_ms"], default=None)
         pub = min((r for r in rows if r["kind"] == "public"), key=lambda r: r["fwd_bwd_ms"], default=None)
@@ -667,11 +677,10 @@ def analyse(ctx: Context) -> dict[str, Any]:
                                "own": own and own["name"], "own_ms": own and own["fwd_bwd_ms"], "own_ratio": own_ratio})
         res["targets"].append(target(
             f"compare_{label}", f"{label}: best backend >= 0.9x the speed of the best public kernel (one run)",
-            None if label in pending else ratio, lambda v: v >= 0.9,
+            None if waiting else ratio, lambda v: v >= 0.9,
             f"{fmt(ours and ours['name'])} vs {fmt(pub and pub['name'])}: {fmt(ratio)}; our own kernel "
-            f"({fmt(own and own['name'])}): {fmt(own_ratio)}"
-            + (f"; not yet timed: {', '.join(pending[label])}" if label in pending else ""),
-            cpu and ratio is None and label not in pending,
+            f"({fmt(own and own['name'])}): {fmt(own_ratio)}" + (f"; {waiting}" if waiting else ""),
+            cpu and ratio is None and not waiting,
             lambda v: f"ours takes {1 / v:.2f}x the public kernel's time"))
 
     lo, hi = plan.exponent_range
@@ -698,10 +707,15 @@ def analyse(ctx: Context) -> dict[str, Any]:
                             for b, f in fits.items()] +
                            [f"{b}: not fitted (N={', '.join(map(str, ns))} missing, failed or noisy)"
                             for b, ns in short.items()])
+        # Judged once each backend's series has reached hi (a series runs its lengths in order, and one
+        # stopped by an oom records the longer ones as skipped): not while one is still to come
+        waiting = not_yet([b for b in backends(label, {}, ctx.device) if not n2(label, b)],
+                          {r["backend"] for r in mine if r["seq_len"] == hi})
         res["targets"].append(target(
             f"exponent_{label}", f"{label} forward+backward time exponent <= 1.1 over N={lo}..{hi} (the backend "
-            f"fastest at {hi}, every length ok)", fastest and fastest[1]["fitted"], lambda v: v <= 1.1,
-            (f"{fastest[0]}; " if fastest else "") + detail, False, lambda v: f"{v - 1.1:+.3f} above 1.1"))
+            f"fastest at {hi}, every length ok)", None if waiting else fastest and fastest[1]["fitted"],
+            lambda v: v <= 1.1, "; ".join(filter(None, [fastest and fastest[0], detail, waiting])), False,
+            lambda v: f"{v - 1.1:+.3f} above 1.1"))
 
     ov = json.loads((out / "d" / "overhead.json").read_text()) if (out / "d" / "overhead.json").exists() else {}
     vals = [(f"{cs['variant']}/{cs['backend']} {p}", cs[p]["overhead"]) for cs in ov.get("cases", [])

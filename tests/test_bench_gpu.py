@@ -347,7 +347,7 @@ def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     targets = {t["target"]: t for t in json.loads((bench / "summary.json").read_text())["targets"]}
     bl = targets["compare_blockwise-local"]  # met or missed with that row (the test above), now pending
-    assert bl["status"] == "not measured" and bl["detail"].endswith(f"not yet timed: {json.loads(sdpa_blocks)['name']}"), bl
+    assert bl["status"] == "not measured" and bl["detail"].endswith(f"not yet measured: {json.loads(sdpa_blocks)['name']}"), bl
     lin = targets["exponent_linear"]
     # What the rows say (others' load can make a tiny point noisy too: then it is listed as well).
     rows = load_rows(bench / "a" / "linear")
@@ -358,6 +358,14 @@ def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_
         assert lin["status"] == "not measured" and "math: not fitted" in lin["detail"], lin
     else:
         assert lin["detail"].startswith("math;") and "math: " in lin["detail"], lin
+    # A series still to reach the range's last length (its next call would measure it): not judged on the
+    # others meanwhile
+    (path,) = [p for p in (bench / "a" / "linear").rglob("results.jsonl") if "variant.backend=math" in str(p)]
+    path.write_text("".join(x + "\n" for x in path.read_text().splitlines() if x.strip() and json.loads(x)["seq_len"] != SMOKE_N[-1]))
+    mod = load_bench()
+    ctx = mod.Context(mod.SMOKE_PLAN, bench, torch.device("cpu"), None, print, list(LABELS))
+    lin = {t["target"]: t for t in mod.analyse(ctx)["targets"]}["exponent_linear"]
+    assert lin["status"] == "not measured" and lin["detail"].endswith("not yet measured: math"), lin
 
 
 def test_gpu_job_help_prints_its_usage_and_an_unknown_argument_is_one_line(tmp_path):
