@@ -127,6 +127,23 @@ def test_fitted_exponent_recovers_known_slope(made):
         == pytest.approx(1.0, abs=1e-9)
 
 
+def test_exponents_fitted_from_a_length_on(tmp_path):
+    """--fit-from N: the exponents over N and longer only, as a GPU's launch-bound short lengths would
+    flatten a fit over every length; said in the series table's title and the plots' titles."""
+    ns = [256, 512, 1024, 2048, 4096, 8192]
+    # 1 ms of launches, then ∝ N² from 2048 on (the fit over every length would be far below 2)
+    sweep = write_sweep(tmp_path / "sweep", [[row("full", "sdpa", n, fwd=max(1.0, (n / 2048) ** 2), mem=64 * n)
+                                              for n in ns]])
+    rows = load_rows(sweep)
+    assert report.series_exponent(rows, "fwd_ms", 2048) == pytest.approx(2.0, abs=1e-9)
+    assert report.series_exponent(rows, "fwd_ms") < 1.5
+    assert report.main([str(sweep), "--fit-from", "2048"]) == 0
+    html = (sweep / "report" / "report.html").read_text()
+    assert "over ok points at N ≥ 2048" in html
+    series = html[html.index("<h2>Series"):].split("</table>")[0]
+    assert "<td>2.00</td><td>2.00</td><td>1.00</td>" in series, series
+
+
 def test_a_series_measured_by_two_code_versions_is_said(tmp_path):
     """A resumed run keeps its earlier points: a series whose points come from two commits is one notice,
     naming them; one code version is no notice."""
@@ -399,3 +416,6 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     _one_line_error(cli("harness.report.compare", tmp_path / "missing", good), "missing")
     _one_line_error(cli("harness.report.compare", good, tmp_path / "empty"), "no results")
     _one_line_error(cli("harness.report.compare", good, good, "--metric", "nonsense_ms"), "nonsense_ms")
+    _one_line_error(cli("harness.report", good, "--fit-from", "4K"), "--fit-from", "'4K'")
+    _one_line_error(cli("harness.report", good, "--no-such-option"), "--no-such-option")  # argparse's, in one line
+    assert not (good / "report").exists()

@@ -1,6 +1,6 @@
 """Report of a sweep: one table, plots against sequence length, and a self-contained report.html.
 
-    python -m harness.report SWEEP_DIR [--out DIR] [--wandb]
+    python -m harness.report SWEEP_DIR [--out DIR] [--fit-from N] [--wandb]
 
 Collects every results.jsonl under SWEEP_DIR (duplicates of a point: the last wins; a report's own
 output is never read as input) and writes to ``--out`` (default SWEEP_DIR/report): results.csv, one
@@ -13,7 +13,9 @@ the *best* full backend at each N (fastest for time, smallest for memory), so a 
 only for beating the strongest exact baseline measured.
 
 Noisy points (their timings cannot be trusted: harness.measure.noise_reasons) are drawn hollow, left
-out of the fitted exponents and of the crossover, and listed in their own table. Time plots carry
+out of the fitted exponents and of the crossover, and listed in their own table. ``--fit-from N`` fits the
+exponents over N and longer only: on a GPU the short lengths are bound by kernel launches, not by the
+algorithm, and flatten a fit over every length. Time plots carry
 error bars of the interquartile range (median ± IQR/2). Each series keeps one colour in every figure.
 """
 
@@ -69,9 +71,10 @@ def trusted(row: dict[str, Any], metric: str) -> float | None:
     return ok_value(row, metric)
 
 
-def series_exponent(rows: Rows, metric: str) -> float | None:
-    """The fitted exponent over the trusted points (noisy timings left out)."""
-    ok = [(r["seq_len"], trusted(r, metric)) for r in rows if trusted(r, metric) is not None]
+def series_exponent(rows: Rows, metric: str, fit_from: int = 0) -> float | None:
+    """The fitted exponent over the trusted points (noisy timings left out) at N >= ``fit_from``."""
+    ok = [(r["seq_len"], trusted(r, metric)) for r in rows
+          if r["seq_len"] >= fit_from and trusted(r, metric) is not None]
     return fit_exponent([n for n, _ in ok], [y for _, y in ok])
 
 
@@ -210,15 +213,16 @@ def _line(ax, pts: list[tuple[int, float, bool]], color, label: str, errs: list[
 
 
 def scaling_plot(groups: dict[Series, Rows], labels: dict[Series, str], colours: dict[Series, Any], metric: str,
-                 title: str, unit: str, scale: float, path: Path) -> Path:
+                 title: str, unit: str, scale: float, path: Path, fit_from: int = 0) -> Path:
     ns = sorted({r["seq_len"] for rows in groups.values() for r in rows})
     timing = from_timings(metric)
     fig, ax = _axes(f"{title} vs N (log-log; x at top: not ok at that N"
-                    + ("; hollow: noisy; bars: median ± IQR/2)" if timing else ")"), unit, ns)
+                    + ("; hollow: noisy; bars: median ± IQR/2" if timing else "")
+                    + (f"; exponents over N ≥ {fit_from})" if fit_from else ")"), unit, ns)
     any_ok = False
     for i, (s, rows) in enumerate(sorted(groups.items(), key=lambda kv: labels[kv[0]])):
         ok = [r for r in rows if ok_value(r, metric) is not None]
-        slope = series_exponent(rows, metric)
+        slope = series_exponent(rows, metric, fit_from)
         label = labels[s] + (f"  ($\\propto N^{{{slope:.2f}}}$)" if slope is not None else "")
         pts = [(r["seq_len"], ok_value(r, metric) / scale, bool(r.get("noisy")) and timing) for r in ok]
         iqr = metric.removesuffix("_ms") + "_iqr_ms"
@@ -288,13 +292,14 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def series_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
+def series_table(groups: dict[Series, Rows], labels: dict[Series, str],
+                 fit_from: int = 0) -> tuple[list[str], list[list[Any]]]:
     head = ["series", "variant", "backend", "options", "causal", "dtype", "device", "B,H,D",
             *STATUSES, "noisy", "exp. fwd", "exp. bwd", "exp. mem"]
     body = []
     for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]):
         counts = [sum(r.get("status") == st for r in rows) for st in STATUSES]
-        exps = [series_exponent(rows, m) for m in ("fwd_ms", "bwd_ms", "peak_mem_bytes")]
+        exps = [series_exponent(rows, m, fit_from) for m in ("fwd_ms", "bwd_ms", "peak_mem_bytes")]
         body.append([labels[s], s.variant, s.backend, ", ".join(f"{k}={v}" for k, v in s.opts), s.causal,
                      s.dtype, s.device, ",".join(map(str, s.shape)), *counts, sum(bool(r.get("noisy")) for r in rows),
                      *[None if e is None else f"{e:.2f}" for e in exps]])
@@ -454,7 +459,8 @@ def log_wandb(out: Path, sweep: Path, images: dict[str, Path], rows: Rows, table
         logger.log(payload)  # after the steps of an earlier report into the same run
 
 
-def make_report(sweep: Path, out: Path) -> tuple[Rows, dict[str, tuple], dict[str, Path]]:
+def make_report(sweep: Path, out: Path, fit_from: int = 0) -> tuple[Rows, dict[str, tuple], dict[str, Path]]:
+    """The report of every row under ``sweep`` into ``out``; exponents fitted over N >= ``fit_from``."""
     rows = load_rows(sweep)  # first: bad input fails before the slow imports
     import matplotlib
 
@@ -472,7 +478,8 @@ def make_report(sweep: Path, out: Path) -> tuple[Rows, dict[str, tuple], dict[st
     images: dict[str, Path] = {}  # title -> PNG
     for metric, title, unit, scale in SCALING_PLOTS:
         if has(metric):
-            images[title] = scaling_plot(groups, labels, colours, metric, title, unit, scale, out / f"{metric}.png")
+            images[title] = scaling_plot(groups, labels, colours, metric, title, unit, scale, out / f"{metric}.png",
+                                         fit_from)
     if reference_groups(groups):
         for metric, name in SPEEDUP_METRICS:
             if has(metric, "non-full"):
@@ -487,8 +494,9 @@ def make_report(sweep: Path, out: Path) -> tuple[Rows, dict[str, tuple], dict[st
 
     tables = {  # key (wandb name) -> (title, header, rows)
         "environment": ("Environment", *environment_table(rows)),
-        "series": ("Series (exp.: fitted log-log exponent, y ∝ N^exp over ok points; noisy timings left out)",
-                   *series_table(groups, labels)),
+        "series": ("Series (exp.: fitted log-log exponent, y ∝ N^exp over ok points"
+                   + (f" at N ≥ {fit_from}" if fit_from else "") + "; noisy timings left out)",
+                   *series_table(groups, labels, fit_from)),
         "crossover": ("Crossover: first N from which the variant stays faster than full",
                       *crossover_table(groups, labels)),
         "max_fit": ("Largest N that fits in memory", *fitting_table(groups, labels)),
@@ -515,14 +523,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dir", type=Path, help="a run or sweep directory (results.jsonl found recursively)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: SWEEP_DIR/report)")
+    p.add_argument("--fit-from", default="0", metavar="N",
+                   help="fit the exponents over N and longer only (default: every length)")
     p.add_argument("--wandb", action="store_true", help="also log the plots and tables to wandb")
+
+    def error(message: str) -> None:  # argparse's own: one line, as the rest (its usage: --help)
+        print(f"report: error: {message}; see --help", file=sys.stderr)
+        sys.exit(2)
+
+    p.error = error
     args = p.parse_args(argv)
     if not args.sweep_dir.is_dir():
         print(f"report: error: {args.sweep_dir}: not a directory", file=sys.stderr)
         return 2
+    if not args.fit_from.isascii() or not args.fit_from.isdigit():
+        error(f"--fit-from must be a sequence length (a whole number >= 0), got {args.fit_from!r}")
     out = args.out or args.sweep_dir / REPORT_DIR
     try:
-        rows, tables, images = make_report(args.sweep_dir, out)
+        rows, tables, images = make_report(args.sweep_dir, out, int(args.fit_from))
     except (InputError, OSError) as err:  # OSError: e.g. --out is a file or not writable
         print(f"report: error: {err}", file=sys.stderr)
         return 2
