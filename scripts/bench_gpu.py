@@ -8,15 +8,15 @@ Steps, in this order: what the targets need first, so that a job spread over sho
 early (default output results/gpu/<UTC date>-<device>/; a rerun into the same --out resumes: a sweep
 skips the points it has, a finished step is not run again):
   roof       n×n×n torch.matmul in bf16 and fp16, triton.testing.do_bench median -> roof.json
-  c-targets  conf/sweep/fa2_full.yaml at its longest N (the roof target's and the TFLOP/s table's) with
-             every full backend the device has -> c/<job>/
+  c-targets  conf/sweep/fa2_full.yaml at the roof target's point (N=16K, D=128, non-causal) with every
+             full backend the device has -> c/<job>/
   a-targets  conf/sweep/seq_len_scaling.yaml for full's N×N backends (Table 21), and for the exponent
              targets' variants from the fit's first length (4K) -> a/<variant>/<job>/
   d          in one process, one kernel after another: each efficient variant's backends against the best
              public kernel for its pattern (raw xformers, raw FlexAttention with the canonical mask_mod,
              SDPA on blocks), the first call (compilation, BlockMask) timed apart; the harness's timing
              against raw do_bench of the same callable -> d/compare.jsonl, d/overhead.json
-  c          fa2_full at every N (the points c-targets measured are kept, not measured again)
+  c          fa2_full at every N, D and causal (c-targets' points are kept, not measured again)
   a          seq_len_scaling (FA-1 shape: B=16, H=8, D=64, fp16, N=128…65536) once per variant with every
              backend the device has (the backends compiled per N in a later sweep of their own, the other
              N×N backends last of all): the harness stops a series at its first oom (the OOM frontier)
@@ -231,10 +231,13 @@ def part_a(ctx: Context, targets: bool = False) -> None:
 
 
 def part_c(ctx: Context, targets: bool = False) -> None:
-    """fa2_full with every full backend; ``targets``: at the roof target's length only (c-targets)."""
+    """fa2_full with every full backend; ``targets`` (c-targets): the roof target's point only (its N and
+    D, non-causal), the rest of the grid (a few seconds a job) left to step c."""
     overrides = [f"variant.backend={','.join(backends('full', {}, ctx.device))}", *ctx.plan.c]
     if targets:
-        overrides = with_seq_lens("fa2_full", overrides, lambda n: n == ctx.plan.roof_target[0])
+        n, d = ctx.plan.roof_target
+        overrides = [o for o in with_seq_lens("fa2_full", overrides, lambda x: x == n)
+                     if not o.startswith(("head_dim=", "causal="))] + [f"head_dim={d}", "causal=false"]
     sweep(ctx, "c-targets" if targets else "c", "fa2_full", overrides, ctx.out / "c")
 
 

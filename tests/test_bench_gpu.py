@@ -58,6 +58,12 @@ def test_the_job_completes_and_brings_back_a_few_files(smoke):
     assert "bench/SUMMARY.md" in names and "bench/summary.json" in names and "bench/d/compare.jsonl" in names
     state = json.loads((tmp / "bench" / "state.json").read_text())
     assert set(state.values()) == {"complete"} and {"roof", "c", "d", "a:full", "a:full:n2"} <= set(state)
+    # c-targets measured the roof target's point in the job directories step c then completed: one series
+    # per (backend, D, causal), each point once
+    jobs = sorted((tmp / "bench" / "c").rglob("results.jsonl"))
+    assert len(jobs) == len(variants.build("full").available_backends("cpu")) * 2 * 2
+    for path in jobs:
+        assert sorted(r["seq_len"] for r in load_rows(path)) == list(SMOKE_N), path
     assert json.loads((tmp / "bench" / "roof.json").read_text())["status"] == "skipped: needs CUDA"
 
 
@@ -284,7 +290,9 @@ def test_each_public_kernel_computes_the_variants_pairs(N):
 
 def test_compiled_backends_run_after_every_kernel_that_does_not_compile_in_their_tier(tmp_path, monkeypatch):
     """flex compiles per N: a variant's compiled backends are a later sweep of their own (the same job
-    directories), so the other exponent series are not kept waiting behind one variant's compilations."""
+    directories), so the other exponent series are not kept waiting behind one variant's compilations.
+    The target steps' sweeps ask for the targets' points only: a-targets from the fit's first length,
+    c-targets the roof target's N and D, non-causal."""
     import torch
 
     bench = load_bench()
@@ -304,6 +312,15 @@ def test_compiled_backends_run_after_every_kernel_that_does_not_compile_in_their
     bench.part_a(ctx, targets=True)
     for step, o, sweep_dir in overrides:  # each from the fit's first length, into the variant's directory
         assert o[-1] == "seq_lens=[4096,8192,16384,32768,65536]" and sweep_dir == tmp_path / "a" / step.split(":")[1]
+    # c-targets: the roof target's point alone (the smoke plan's grid of D narrowed too)
+    for plan, d in ((bench.GPU_PLAN, 128), (bench.SMOKE_PLAN, 32)):
+        overrides.clear()
+        bench.part_c(bench.Context(plan, tmp_path, torch.device("cuda"), None, print, labels), targets=True)
+        ((step, o, sweep_dir),) = overrides
+        n = plan.roof_target[0]
+        assert step == "c-targets" and sweep_dir == tmp_path / "c" and o[0] == "variant.backend=flex,blocksparse,dense,xformers"
+        assert sorted(x for x in o if x.startswith(("seq_lens=", "head_dim=", "causal="))) == [
+            "causal=false", f"head_dim={d}", f"seq_lens=[{n}]"], o
 
 
 def test_part_d_times_the_compiled_kernels_after_every_other(tmp_path):
