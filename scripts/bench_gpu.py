@@ -422,15 +422,20 @@ def d_kernels(ctx: Context) -> list[tuple[str, str, bool, Callable[[], Callable[
     return sorted(kernels, key=lambda k: k[2])  # stable: VARIANTS' order otherwise
 
 
+def d_done(rows: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    """The (label, name) of the kernels part d has done with: measured, or skipped/unavailable for a
+    reason; an error is tried once more on a later call (a transient failure should not stand), then
+    kept too."""
+    tries: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        tries.setdefault((r["label"], r["name"]), []).append(r["status"])
+    return {key for key, st in tries.items() if st[-1] != "error" or len(st) >= 2}
+
+
 def part_d(ctx: Context) -> None:
     path = ctx.out / "d" / "compare.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    # What is measured, or skipped/unavailable for a reason, is kept; an error is tried once more on a
-    # later call (a transient failure should not stand), then kept too.
-    tries: dict[tuple[str, str], list[str]] = {}
-    for r in side_rows(path):
-        tries.setdefault((r["label"], r["name"]), []).append(r["status"])
-    have = {key for key, st in tries.items() if st[-1] != "error" or len(st) >= 2}
+    have = d_done(side_rows(path))
     for label, name, compiled, build in d_kernels(ctx):
         if (label, name) in have:
             continue
@@ -659,11 +664,10 @@ def analyse(ctx: Context) -> dict[str, Any]:
                                   key=lambda r: (r["head_dim"], r["causal"], -(r.get("tflops_fwd_useful") or 0)))]
 
     compare = side_rows(out / "d" / "compare.jsonl")
-    kernels = d_kernels(ctx)
+    kernels, done = d_kernels(ctx), d_done(compare)
     for label in COMPARED:
-        # Judged once part d has timed each of the pattern's kernels, not on the first ones timed
-        waiting = not_yet([name for lb, name, *_ in kernels if lb == label],
-                          {r["name"] for r in compare if r["label"] == label})
+        # Judged once part d is done with each of the pattern's kernels, not on the first ones timed
+        waiting = not_yet([name for lb, name, *_ in kernels if lb == label], {n for lb, n in done if lb == label})
         rows = [r for r in compare if r["label"] == label and r["status"] == "ok"]
         ours = min((r for r in rows if r["kind"] == "ours"), key=lambda r: r["fwd_bwd_ms"], default=None)
         pub = min((r for r in rows if r["kind"] == "public"), key=lambda r: r["fwd_bwd_ms"], default=None)
@@ -822,12 +826,19 @@ def record_invocation(ctx: Context, steps: list[str]) -> None:
 
     path = ctx.out / "env.json"
     entries = json.loads(path.read_text()) if path.exists() else []
-    entries.append({"date": now(), "steps": ",".join(steps), "python": platform.python_version(),
+    entries.append({"date": now(), "steps": ",".join(steps), "device": ctx.device.type, "python": platform.python_version(),
                     **envmod.collect(ctx.device).as_dict(),
                     "nvidia_smi": envmod.nvidia_smi("name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,"
                                                     "clocks.max.mem,power.limit,temperature.gpu,memory.total",
                                                     header=True)})
     write_json(path, entries)
+
+
+def measured_on(out: Path, default: torch.device) -> torch.device:
+    """The device type the last invocation into ``out`` measured on (env.json), else ``default``."""
+    path = out / "env.json"
+    envs = json.loads(path.read_text()) if path.exists() else []
+    return torch.device(envs[-1]["device"]) if envs and "device" in envs[-1] else default
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -857,6 +868,8 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or ROOT / ("outputs/bench_gpu_smoke" if args.smoke else
                                f"results/gpu/{datetime.date.today().isoformat()}-{slug}")).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.summary_only:  # judged as on the machine that measured: a GPU's results stay a GPU's elsewhere
+        device = measured_on(out, device)
     start = time.monotonic()  # every line says when, so a job's log shows where a budget went
 
     def log(message: str) -> None:

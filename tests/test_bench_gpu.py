@@ -225,8 +225,8 @@ def load_bench():
 
 def test_what_the_targets_need_runs_first(tmp_path):
     """A job cut short by its budget has measured the targets' points before the rest: the FA-2 shape at
-    its target length, Table 21 (full's N×N backends) and the exponent series from the fit's first
-    length; in each sweep the compiled backends come last, and the other N×N backends last of all."""
+    the roof target's point, Table 21 (full's N×N backends) and the exponent series from the fit's first
+    length; the other N×N backends last of all (the compiled backends: the next test, as on CUDA)."""
     import torch
 
     bench = load_bench()
@@ -252,6 +252,21 @@ def test_what_the_targets_need_runs_first(tmp_path):
         "variant=linear", "seq_lens=[4096,8192,16384,32768,65536]"]
     assert bench.with_seq_lens("fa2_full", ["seq_lens=[128,256]", "head_dim=16"], lambda n: n == 256) == [
         "head_dim=16", "seq_lens=[256]"]
+
+
+def test_a_summary_is_judged_as_on_the_machine_that_measured(tmp_path):
+    """--summary-only takes the device from the results' env.json (measured_on), so a GPU's results
+    summarized again on a CPU machine are judged as a GPU's: not "skipped (needs CUDA)", and not waiting
+    forever for a kernel under its CPU name. A comparison still waits for a kernel whose only row is an
+    error, which part d tries once more (d_done)."""
+    bench = load_bench()
+    cpu = torch.device("cpu")
+    assert bench.measured_on(tmp_path, cpu) == cpu  # nothing recorded: this machine
+    (tmp_path / "env.json").write_text(json.dumps([{"device": "cpu"}, {"device": "cuda"}]))
+    assert bench.measured_on(tmp_path, cpu) == torch.device("cuda")
+    rows = [{"label": "x", "name": "a", "status": "error"}, {"label": "x", "name": "b", "status": "error"},
+            {"label": "x", "name": "b", "status": "error"}, {"label": "x", "name": "c", "status": "skipped"}]
+    assert bench.d_done(rows) == {("x", "b"), ("x", "c")}
 
 
 @pytest.mark.parametrize("N", [1024, 1000])
