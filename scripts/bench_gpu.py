@@ -2,7 +2,8 @@
 measure (the matmul roof, public kernels, the harness's overhead) and the targets.
 
     python scripts/bench_gpu.py [--out DIR] [--budget-s S] [--steps roof,c-targets,a-targets,d,c,a] [--smoke]
-    python scripts/bench_gpu.py --summary-only --out DIR   # SUMMARY.md, summary.json, reports again
+    python scripts/bench_gpu.py --summary-only --out DIR   # SUMMARY.md, summary.json, reports again (on any
+                                                           # machine: judged as on the one that measured)
 
 Steps, in this order: what the targets need first, so that a job spread over short calls has them
 early (default output results/gpu/<UTC date>-<device>/; a rerun into the same --out resumes: a sweep
