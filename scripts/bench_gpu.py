@@ -748,7 +748,7 @@ def gpu_tests(out: Path) -> dict[str, Any]:
 
 
 def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> str:
-    envs = json.loads((ctx.out / "env.json").read_text()) if (ctx.out / "env.json").exists() else []
+    envs = invocations(ctx.out)
     e = envs[-1] if envs else {}
     lines = [f"# GPU benchmark{' (SMOKE: tiny sizes on CPU, not results)' if ctx.plan.smoke else ''}", "",
              f"Device {e.get('device_name')}; torch {e.get('torch_version')}, CUDA {e.get('cuda_version')}, "
@@ -825,20 +825,24 @@ def record_invocation(ctx: Context, steps: list[str]) -> None:
     """env.json: one entry per invocation (machine, versions, clocks, date, steps)."""
     from harness import env as envmod
 
-    path = ctx.out / "env.json"
-    entries = json.loads(path.read_text()) if path.exists() else []
+    entries = invocations(ctx.out)
     entries.append({"date": now(), "steps": ",".join(steps), "device": ctx.device.type, "python": platform.python_version(),
                     **envmod.collect(ctx.device).as_dict(),
                     "nvidia_smi": envmod.nvidia_smi("name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,"
                                                     "clocks.max.mem,power.limit,temperature.gpu,memory.total",
                                                     header=True)})
-    write_json(path, entries)
+    write_json(ctx.out / "env.json", entries)
+
+
+def invocations(out: Path) -> list[dict[str, Any]]:
+    """env.json's entries: one per invocation into ``out``."""
+    path = out / "env.json"
+    return json.loads(path.read_text()) if path.exists() else []
 
 
 def measured_on(out: Path, default: torch.device) -> torch.device:
     """The device type the last invocation into ``out`` measured on (env.json), else ``default``."""
-    path = out / "env.json"
-    envs = json.loads(path.read_text()) if path.exists() else []
+    envs = invocations(out)
     return torch.device(envs[-1]["device"]) if envs and "device" in envs[-1] else default
 
 
