@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +36,26 @@ def cannot_submit(e: Exception) -> None:
 
     print(f"error: hydra/launcher=slurm submitted nothing: {one_line(e)[:400]}", file=sys.stderr)
     sys.exit(1)
+
+
+def results_appear(jobs) -> None:
+    """Waits once for every ended job's result file. On a shared filesystem the file can show up a moment
+    after SLURM records the job's end, so submitit waits up to ``_results_timeout_s`` (15 s) for it, job by
+    job: a sweep whose jobs were cancelled or ran out of time (they leave no result) would wait that long
+    for each of them. One wait of that length here serves them all; submitit then reads what is there."""
+    deadline = time.monotonic() + min(job._results_timeout_s for job in jobs)
+    while True:
+        missing = [job for job in jobs if not job.paths.result_pickle.exists()]
+        if not missing or time.monotonic() > deadline:
+            break
+        for job in missing:  # as submitit does: refreshes a network filesystem's cached view of the folder
+            try:
+                job.paths.folder.chmod(job.paths.folder.stat().st_mode)
+            except OSError:
+                pass
+        time.sleep(1)
+    for job in jobs:
+        job._results_timeout_s = 0  # waited for above
 
 
 class SlurmLauncher(SubmititSlurmLauncher):
@@ -67,6 +88,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
             cannot_submit(e)
         for job in jobs:  # every job ends before any is judged: none is left running unwatched
             job.wait()
+        results_appear(jobs)
         return [self._outcome(job, list(overrides), num) for job, overrides, num in zip(jobs, job_overrides, nums)]
 
     def _outcome(self, job, overrides: list[str], num: int) -> JobReturn:
