@@ -19,7 +19,10 @@ from typing import Callable
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile
+# The autograd profiler, which torch.profiler.profile wraps: the wrapper's start asks hasattr(torch,
+# "_inductor"), which imports inductor and dynamo (about 1.2 s a process) to read a CUDA-graphs setting
+# a CPU memory trace has no use for.
+from torch.autograd.profiler import profile  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -33,9 +36,9 @@ def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes allocated by ``fn`` on the CPU (over what existed before), from profiler events."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # profiler's "no kineto activity" chatter
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with profile(use_cpu=True, profile_memory=True) as prof:
             fn()
-    events = [e for e in prof.profiler.kineto_results.events()
+    events = [e for e in prof.kineto_results.events()
               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
     events.sort(key=lambda e: e.start_ns())
     current = peak = 0

@@ -7,6 +7,9 @@ as the O(N·D) part: the scaling tests shrink it, so that what they compare is t
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -120,3 +123,13 @@ def test_analytic_memory_bounds_the_measured_peak(name, options):
             measured = cpu_peak_bytes(step)
             analytic = attn.memory_bytes(b, h, n, d, torch.empty((), dtype=dtype).element_size(), causal=True)
             assert measured <= 1.001 * analytic <= 1.3 * measured, (b, h, n, d, dtype, measured, analytic)
+
+
+def test_a_cpu_peak_imports_no_compiler():
+    """The CPU peak opens the profiler without torch.profiler's wrapper, whose start imports inductor and
+    dynamo (over a second of every harness process) to read a setting a memory trace does not use."""
+    code = ("import sys, torch; from harness.memory import cpu_peak_bytes; "
+            "peak = cpu_peak_bytes(lambda: torch.empty(1000, 1000)); "
+            "print(peak, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split() == [str(1000 * 1000 * 4), "False", "False"], out
