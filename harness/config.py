@@ -6,11 +6,13 @@ a second. Every message is one line naming the problem and the allowed values.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -358,3 +360,14 @@ def variant_names() -> list[str]:
 
 def one_line(text: Any) -> str:
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def one_line_errors(parser: argparse.ArgumentParser, name: str | None = None) -> argparse.ArgumentParser:
+    """``parser`` refusing bad arguments as every command of the project does: one line, ``NAME: error:
+    ...; see --help``, exit 2 (argparse's own prints its usage first, several lines; --help has it)."""
+    def error(message: str) -> NoReturn:
+        print(f"{name or parser.prog}: error: {message}; see --help", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser

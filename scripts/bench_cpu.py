@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from harness.config import one_line_errors  # noqa: E402
 from harness.env import OtherLoad, cpu_name, mem_available_bytes  # noqa: E402
 from harness.results import Result, fit_exponents, latest, machine, read_jsonl, write_csv, write_json  # noqa: E402
 
@@ -57,7 +58,8 @@ ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_":
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = one_line_errors(argparse.ArgumentParser(description=__doc__,
+                                             formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu")
     ap.add_argument("--seq-lens", type=int, nargs="+", default=SEQ_LENS)
     ap.add_argument("--min-run-time", type=float, default=0.3, help="seconds of timed calls per pass")

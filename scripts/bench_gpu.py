@@ -57,7 +57,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from harness.config import one_line  # noqa: E402
+from harness.config import one_line, one_line_errors  # noqa: E402
 from harness.env import now  # noqa: E402
 from harness.results import InputError, fit_exponents, latest, load_rows, read_jsonl, write_json  # noqa: E402
 
@@ -847,7 +847,8 @@ def measured_on(out: Path, default: torch.device) -> torch.device:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = one_line_errors(argparse.ArgumentParser(description=__doc__,
+                                             formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--out", type=Path, default=None, help="output directory (default results/gpu/<date>-<device>)")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, in order (default {','.join(STEPS)})")
     labels = [label for label, _, _ in VARIANTS]

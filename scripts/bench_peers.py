@@ -45,7 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import variants  # noqa: E402
 from bench_cpu import ALLOCATOR_ENV  # noqa: E402
-from harness.config import MeasureOptions  # noqa: E402
+from harness.config import MeasureOptions, one_line_errors  # noqa: E402
 from harness.env import OtherLoad, collect, now  # noqa: E402
 from harness.measure import time_fn  # noqa: E402
 from harness.memory import peak_memory  # noqa: E402
@@ -244,7 +244,8 @@ def table(rows: list[dict], env: dict, args) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = one_line_errors(argparse.ArgumentParser(description=__doc__,
+                                             formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--seq-lens", type=int, nargs="+", default=SEQ_LENS)
     ap.add_argument("--only", nargs="+", choices=list(PAIRS), default=list(PAIRS))
     ap.add_argument("--min-run-time", type=float, default=0.3, help="seconds of timed calls per side")

@@ -141,8 +141,10 @@ def outline(report: Any, expr: Any) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="scripts/wandb_dashboard.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from harness.config import one_line_errors
+
+    p = one_line_errors(argparse.ArgumentParser(prog="scripts/wandb_dashboard.py", description=__doc__.split("\n\n")[0],
+                                                formatter_class=argparse.RawDescriptionHelpFormatter), PROG)
     p.add_argument("group", metavar="SWEEP_GROUP",
                    help="the sweep's wandb group (or its sweep directory, to read the group from)")
     p.add_argument("--project", help="wandb project (default: $WANDB_PROJECT, conf/logger/wandb.yaml)")

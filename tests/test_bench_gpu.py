@@ -163,6 +163,8 @@ def test_a_rerun_measures_nothing_again_and_a_spent_budget_resumes(smoke, tmp_pa
     assert pending.stdout.split() == ["c"]
     bad = subprocess.run(cmd + ["--variants", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "allowed: full" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run(cmd + ["--budget-s", "soon"], cwd=ROOT, capture_output=True, text=True)  # argparse's own: one line
+    assert bad.returncode == 2 and bad.stderr == "bench_gpu.py: error: argument --budget-s: invalid float value: 'soon'; see --help\n"
 
 
 def test_a_job_whose_python_cannot_run_the_benchmark_is_not_complete(tmp_path):

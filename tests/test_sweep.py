@@ -254,6 +254,9 @@ def test_wandb_dashboard_without_credentials_is_one_line(tmp_path):
     assert len(out) == 1, out
     assert "no wandb credentials" in out[0] and "harness.report" in out[0]
     assert "Traceback" not in p.stderr
+    missing = dashboard(home=tmp_path)  # no SWEEP_GROUP: argparse's refusal, one line too
+    assert missing.returncode == 2 and lines(missing) == [
+        "wandb_dashboard: error: the following arguments are required: SWEEP_GROUP; see --help"], missing.stderr
 
 
 def test_wandb_dashboard_report_outline(tmp_path):

@@ -20,6 +20,7 @@ import math
 import sys
 from typing import Any
 
+from ..config import one_line_errors
 from ..results import from_timings
 from .collect import InputError, compare_key, environment_fields, load_rows, number, series_key, series_labels
 
@@ -130,11 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fail-on-regression", action="store_true", help="exit 1 when any point regressed")
     p.add_argument("--metric", default="fwd_bwd_ms,peak_mem_bytes", help="comma-separated metrics")
 
-    def error(message: str) -> None:  # argparse's own: one line, as the rest (its usage: --help)
-        print(f"compare: error: {message}; see --help", file=sys.stderr)
-        sys.exit(2)
-
-    p.error = error
+    one_line_errors(p, "compare")
     args = p.parse_args(argv)
     metrics = [m.strip() for m in args.metric.split(",") if m.strip()]
     try:

@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..config import one_line_errors
 from ..results import REPORT_DIR, atomic_write, from_timings, loglog_slope, write_csv
 from .collect import (FULL, STATUSES, InputError, Series, columns, environment_fields, group_series, load_rows,
                       ok_value, series_labels)
@@ -527,17 +528,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="fit the exponents over N and longer only (default: every length)")
     p.add_argument("--wandb", action="store_true", help="also log the plots and tables to wandb")
 
-    def error(message: str) -> None:  # argparse's own: one line, as the rest (its usage: --help)
-        print(f"report: error: {message}; see --help", file=sys.stderr)
-        sys.exit(2)
-
-    p.error = error
+    one_line_errors(p, "report")
     args = p.parse_args(argv)
     if not args.sweep_dir.is_dir():
         print(f"report: error: {args.sweep_dir}: not a directory", file=sys.stderr)
         return 2
     if not args.fit_from.isascii() or not args.fit_from.isdigit():
-        error(f"--fit-from must be a sequence length (a whole number >= 0), got {args.fit_from!r}")
+        p.error(f"--fit-from must be a sequence length (a whole number >= 0), got {args.fit_from!r}")
     out = args.out or args.sweep_dir / REPORT_DIR
     try:
         rows, tables, images = make_report(args.sweep_dir, out, int(args.fit_from))
