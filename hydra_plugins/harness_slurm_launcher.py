@@ -43,7 +43,7 @@ def results_appear(jobs) -> None:
     after SLURM records the job's end, so submitit waits up to ``_results_timeout_s`` (15 s) for it, job by
     job: a sweep whose jobs were cancelled or ran out of time (they leave no result) would wait that long
     for each of them. One wait of that length here serves them all; submitit then reads what is there."""
-    deadline = time.monotonic() + min(job._results_timeout_s for job in jobs)
+    deadline = time.monotonic() + min((job._results_timeout_s for job in jobs), default=0)
     while True:
         missing = [job for job in jobs if not job.paths.result_pickle.exists()]
         if not missing or time.monotonic() > deadline:
