@@ -59,7 +59,7 @@ ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_":
 
 def main() -> None:
     ap = one_line_errors(argparse.ArgumentParser(description=__doc__,
-                                             formatter_class=argparse.RawDescriptionHelpFormatter))
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu")
     ap.add_argument("--seq-lens", type=int, nargs="+", default=SEQ_LENS)
     ap.add_argument("--min-run-time", type=float, default=0.3, help="seconds of timed calls per pass")

@@ -848,7 +848,7 @@ def measured_on(out: Path, default: torch.device) -> torch.device:
 
 def main(argv: list[str] | None = None) -> int:
     ap = one_line_errors(argparse.ArgumentParser(description=__doc__,
-                                             formatter_class=argparse.RawDescriptionHelpFormatter))
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--out", type=Path, default=None, help="output directory (default results/gpu/<date>-<device>)")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, in order (default {','.join(STEPS)})")
     labels = [label for label, _, _ in VARIANTS]

@@ -245,7 +245,7 @@ def table(rows: list[dict], env: dict, args) -> str:
 
 def main() -> None:
     ap = one_line_errors(argparse.ArgumentParser(description=__doc__,
-                                             formatter_class=argparse.RawDescriptionHelpFormatter))
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--seq-lens", type=int, nargs="+", default=SEQ_LENS)
     ap.add_argument("--only", nargs="+", choices=list(PAIRS), default=list(PAIRS))
     ap.add_argument("--min-run-time", type=float, default=0.3, help="seconds of timed calls per side")
