@@ -11,8 +11,8 @@ skips the points it has, a finished step is not run again):
   roof       n×n×n torch.matmul in bf16 and fp16, triton.testing.do_bench median -> roof.json
   c-targets  conf/sweep/fa2_full.yaml at the roof target's point (N=16K, D=128, non-causal) with every
              full backend the device has -> c/<job>/
-  a-targets  conf/sweep/seq_len_scaling.yaml for full's N×N backends (Table 21), and for the exponent
-             targets' variants from the fit's first length (4K) -> a/<variant>/<job>/
+  a-targets  conf/sweep/seq_len_scaling.yaml for full's math (Table 21), and for the exponent targets'
+             variants from the fit's first length (4K) -> a/<variant>/<job>/
   d          in one process, one kernel after another: each efficient variant's backends against the best
              public kernel for its pattern (raw xformers, raw FlexAttention with the canonical mask_mod,
              SDPA on blocks), the first call (compilation, BlockMask) timed apart; the harness's timing
@@ -71,6 +71,7 @@ VARIANTS = [("full", "full", {}), ("sliding_window", "sliding_window", {}), ("li
             ("blockwise-exact", "blockwise", {"mode": "exact"}), ("reformer", "reformer", {}),
             ("adaptive_span", "adaptive_span", {})]
 N2_BACKENDS = {"dense", "math", "sdpa_math"}  # full's math and sdpa_math, any variant's dense: N×N in memory
+TABLE21 = ("full", "math")  # the path FA-1 Table 21's target reads: the only N×N series a target needs
 COMPARED = ("sliding_window", "blockwise-local", "sparse-fixed", "sparse-strided", "sparse-bigbird")
 EXPONENT_TARGETS = ("sliding_window", "linear", "reformer", "adaptive_span")
 OVERHEAD_CASES = [("full", "sdpa_flash"), ("sliding_window", "xformers"), ("linear", "sdpa")]
@@ -124,7 +125,7 @@ class Context:
 
     def done(self, step: str) -> bool:
         """Whether a step is complete: a-targets and a by their sweeps (a-targets:<label>[:compiled],
-        a:<label>[:compiled|:n2]; a_series), the others by their own record."""
+        a:<label>[:compiled|:table21|:n2]; a_series), the others by their own record."""
         if step in ("a", "a-targets"):
             return all(self.state.get(s) == "complete" for _, s, *_ in a_series(self, targets=step == "a-targets"))
         return self.state.get(step) == "complete"
@@ -187,25 +188,25 @@ COMPILED = ("flex",)  # backends that compile per N (tens of seconds each): a se
 
 def a_series(ctx: Context, targets: bool = False) -> list[tuple[int, str, str, dict[str, Any], list[str]]]:
     """Part a's sweeps (tier, step, variant, options, backends) in the order they run: what a target
-    needs first (tier 0: full's N×N backends, Table 21; tiers 1 and 2: the exponent series, the kernels
-    that compile per N after every one that does not), then the other efficient variants and full's
-    kernels (3, compiled ones 4), the other N×N backends last (5). A variant's compiled backends are a
-    sweep of their own (step <label>:compiled, the same job directories), so a call cut short by its budget
-    has not spent it compiling one variant's kernels while another's series waits. ``targets``: tiers 0 to 2
-    only, for a-targets, which runs before part d. There tiers 1 and 2 are narrowed to the exponent fit's
-    lengths, sweeps of their own (a-targets:<label>...); tier 0 is part a's own sweep (a:full:n2), not run
-    twice."""
+    needs first (tier 0: full's math, Table 21; tiers 1 and 2: the exponent series, the kernels that
+    compile per N after every one that does not), then the other efficient variants and full's kernels
+    (3, compiled ones 4), the other N×N backends last (5: full's sdpa_math among them). A variant's
+    compiled backends are a sweep of their own (step <label>:compiled, the same job directories), so a
+    call cut short by its budget has not spent it compiling one variant's kernels while another's series
+    waits. ``targets``: tiers 0 to 2 only, for a-targets, which runs before part d. There tiers 1 and 2 are
+    narrowed to the exponent fit's lengths, sweeps of their own (a-targets:<label>...); tier 0 is part a's
+    own sweep (a:full:table21), not run twice."""
     import variants
 
     series = []
     for label, variant, options in VARIANTS:
         if variant not in variants.REGISTRY or label not in ctx.labels:
             continue
-        kinds = {b: ":n2" if n2(variant, b) else ":compiled" if b in COMPILED else ""
-                 for b in backends(variant, options, ctx.device)}
+        kinds = {b: ":table21" if (variant, b) == TABLE21 else ":n2" if n2(variant, b) else
+                 ":compiled" if b in COMPILED else "" for b in backends(variant, options, ctx.device)}
         target = label in EXPONENT_TARGETS
-        for kind, tier in (("", 1 if target else 3), (":compiled", 2 if target else 4),
-                           (":n2", 0 if label == "full" else 5)):
+        for kind, tier in (("", 1 if target else 3), (":compiled", 2 if target else 4), (":table21", 0),
+                           (":n2", 5)):
             chosen = [b for b, k in kinds.items() if k == kind]
             if chosen and (tier <= 2 or not targets):
                 step = f"{'a-targets' if targets and tier in (1, 2) else 'a'}:{label}{kind}"

@@ -57,7 +57,7 @@ def test_the_job_completes_and_brings_back_a_few_files(smoke):
         names = tar.getnames()
     assert "bench/SUMMARY.md" in names and "bench/summary.json" in names and "bench/d/compare.jsonl" in names
     state = json.loads((tmp / "bench" / "state.json").read_text())
-    assert set(state.values()) == {"complete"} and {"roof", "c", "d", "a:full", "a:full:n2"} <= set(state)
+    assert set(state.values()) == {"complete"} and {"roof", "c", "d", "a:full", "a:full:table21", "a:full:n2"} <= set(state)
     # c-targets measured the roof target's point in the job directories step c then completed: one series
     # per (backend, D, causal), each point once
     jobs = sorted((tmp / "bench" / "c").rglob("results.jsonl"))
@@ -227,8 +227,9 @@ def load_bench():
 
 def test_what_the_targets_need_runs_first(tmp_path):
     """A job cut short by its budget has measured the targets' points before the rest: the FA-2 shape at
-    the roof target's point, Table 21 (full's N×N backends) and the exponent series from the fit's first
-    length; the other N×N backends last of all (the compiled backends: the next test, as on CUDA)."""
+    the roof target's point, Table 21 (full's math) and the exponent series from the fit's first length;
+    the other N×N backends (full's sdpa_math too) last of all (the compiled backends: the next test, as
+    on CUDA)."""
     import torch
 
     bench = load_bench()
@@ -236,18 +237,20 @@ def test_what_the_targets_need_runs_first(tmp_path):
     labels = [label for label, _, _ in bench.VARIANTS]
     ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cpu"), None, print, labels)
     steps = [step for _, step, *_ in bench.a_series(ctx)]
-    assert steps[0] == "a:full:n2" and sorted(steps) == sorted(set(steps))
+    assert steps[0] == "a:full:table21" and sorted(steps) == sorted(set(steps))
     targets = [f"a:{t}" for t in bench.EXPONENT_TARGETS]
     assert steps[1:1 + len(targets)] == targets
-    n2 = [i for i, s in enumerate(steps) if s.endswith(":n2") and s != "a:full:n2"]
-    assert n2 and n2 == list(range(len(steps) - len(n2), len(steps)))  # the rest's N×N backends last
+    n2 = [i for i, s in enumerate(steps) if s.endswith(":n2")]
+    assert n2 and n2 == list(range(len(steps) - len(n2), len(steps)))  # the other N×N backends last
+    assert "a:full:n2" in steps  # on CPU: sdpa_math
     for tier, step, variant, options, chosen in bench.a_series(ctx):
-        assert all(bench.n2(variant, b) == step.endswith(":n2") for b in chosen), step
-        assert (tier <= 1) == (step == "a:full:n2" or step in targets), step
+        assert all(bench.n2(variant, b) == step.endswith((":n2", ":table21")) for b in chosen), step
+        assert (variant == "full" and chosen == ["math"]) == (step == "a:full:table21"), step
+        assert (tier <= 1) == (step == "a:full:table21" or step in targets), step
     # a-targets: Table 21's sweep itself, and the exponent series from 4K under their own names (part a
     # still runs those, with every length)
-    assert [s for _, s, *_ in bench.a_series(ctx, targets=True)] == ["a:full:n2", *[s.replace("a:", "a-targets:")
-                                                                                    for s in targets]]
+    assert [s for _, s, *_ in bench.a_series(ctx, targets=True)] == [
+        "a:full:table21", *[s.replace("a:", "a-targets:") for s in targets]]
     assert not bench.n2("linear", "math") and bench.n2("full", "math") and bench.n2("sparse", "dense")
     # The lengths each target step asks for, from the presets' own lists
     assert bench.with_seq_lens("seq_len_scaling", ["variant=linear"], lambda n: n >= 4096) == [
