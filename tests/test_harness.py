@@ -524,6 +524,25 @@ def test_gpu_point_records_allocator_peaks(tmp_path):
         assert r["peak_mem_abs_bytes"] >= r["peak_mem_bytes"] > 0 and r["peak_mem_reserved_bytes"] > 0
 
 
+@pytest.mark.gpu
+def test_a_real_cuda_oom_is_a_row_and_the_process_measures_on_unchanged(tmp_path):
+    """The OOM frontier on a GPU: a length whose N×N scores cannot be allocated (FA-1's shape, math at
+    N=32K: 275 GB of fp16 scores; the allocation fails at once, whatever the GPU) is an oom row, the
+    longer lengths are skipped, and what the failed point left is released: the same point measured
+    again in this process takes the same peak memory as before."""
+    common = ("variant=full", "variant.backend=math", "device=cuda", "dtype=float16", "batch_size=16",
+              "num_heads=8", "head_dim=64", "fidelity.enabled=false", "measure.min_run_time=0.01", "logger=none")
+    run(compose_cfg(*common, "seq_lens=[256,32768,65536]"), output_dir=tmp_path / "series")
+    rows = {r["seq_len"]: r for r in rows_of(tmp_path / "series")}
+    assert [rows[n]["status"] for n in (256, 32768, 65536)] == ["ok", "oom", "skipped"], rows
+    assert "out of memory" in rows[32768]["reason"].lower()
+    assert rows[65536]["reason"].startswith("not run: N=32768 was oom")
+    run(compose_cfg(*common, "seq_lens=[256]"), output_dir=tmp_path / "after")
+    (again,) = rows_of(tmp_path / "after")
+    assert again["status"] == "ok" and again["peak_mem_bytes"] == pytest.approx(rows[256]["peak_mem_bytes"], rel=0.01)
+    assert torch.cuda.memory_allocated() < 2**30  # nothing of the failed point is still held
+
+
 def test_only_the_chosen_passes_and_memory_are_measured(tmp_path):
     run(compose_cfg("seq_len=32", "num_heads=1", "head_dim=8", "measure.passes=[fwd]", "measure.memory=false",
                     "measure.min_run_time=0.01"), output_dir=tmp_path)
