@@ -632,15 +632,17 @@ class DirectoryLock:
 
     def acquire(self, on_wait: Callable[[str], None] | None = None) -> "DirectoryLock":
         f = open(self.path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        locked = _try_exclusive(f)
+        # Blocked for a moment, not by a run: by in_use's probe (a shared lock taken and dropped at once;
+        # a dead holder's line may still be in the file), or by a holder between its flock and its line.
+        # Tried again a few times, and for up to a second while no holder line is there.
+        for wait in [0.02] * 5 + [0.05] * 20:
+            if locked or (wait == 0.05 and _holder(f)):
+                break
+            time.sleep(wait)
+            locked = _try_exclusive(f)
+        if not locked:
             holder = _holder(f)
-            for _ in range(20):  # a holder between its flock and its line: a moment
-                if holder:
-                    break
-                time.sleep(0.05)
-                holder = _holder(f)
             if self.sweep is None or holder.get("sweep") != self.sweep:
                 f.close()
                 raise LockedError(in_use_message(self.path.parent, holder)) from None
@@ -690,6 +692,14 @@ class DirectoryLock:
     def is_held(directory: Path) -> bool:
         """Whether a live process holds ``directory``'s lock."""
         return DirectoryLock.in_use(directory) is not None
+
+
+def _try_exclusive(f) -> bool:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def in_use_message(directory: Path, holder: dict[str, Any]) -> str:

@@ -183,6 +183,28 @@ def test_a_job_of_the_same_sweep_waits_for_the_lock_any_other_run_is_refused(tmp
     got[0].release()
 
 
+@pytest.mark.parametrize("left", ["", json.dumps({"pid": 999999, "host": "gone", "started": "earlier"}) + "\n"],
+                         ids=["released", "dead-holder"])
+def test_a_probe_of_the_lock_at_the_moment_a_run_starts_does_not_refuse_it(tmp_path, left):
+    """in_use (status, the sweep's summary, a job's check) takes a shared lock for a moment: a run whose
+    exclusive try lands in that moment is not refused as "in use", whether the file is empty (released
+    cleanly) or holds a dead run's line."""
+    import fcntl
+    import threading
+
+    (tmp_path / DirectoryLock.NAME).write_text(left)
+    with open(tmp_path / DirectoryLock.NAME) as probe:
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the probe's moment, made to last 5 ms
+        unlock = threading.Timer(0.005, fcntl.flock, (probe, fcntl.LOCK_UN))
+        unlock.start()
+        try:
+            lock = DirectoryLock(tmp_path).acquire()
+        finally:
+            unlock.join()
+    assert lock.taken_over == (json.loads(left) if left else None)
+    lock.release()
+
+
 def test_a_job_refused_for_another_commands_run_counts_in_the_sweeps_outcome(tmp_path, capsys):
     from omegaconf import OmegaConf
 
