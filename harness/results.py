@@ -780,11 +780,13 @@ class ResultStore:
     ``resume=True`` keeps the valid rows of ``results.jsonl`` (``rows``, in file order) and appends;
     damaged lines are moved verbatim to ``results.jsonl.damaged-<time>`` first (one warning). ``resume=
     False`` moves an existing file aside (``results.jsonl.replaced-<time>``, ``-<time>-2``... where that
-    name is taken: ``move_aside``), and with it its ``fit.json`` and the directory's wandb run state
-    (``wandb/harness-run.json``), so the new rows go to a new wandb run, not beside the ones they replace.
-    Nothing is ever deleted or overwritten.
+    name is taken: ``move_aside``), and with it its ``results.csv``, ``fit.json`` and the directory's wandb
+    run state (``wandb/harness-run.json``), so the new rows go to a new wandb run, not beside the ones they
+    replace. Nothing is ever deleted or overwritten.
     ``results.csv`` is the view: one row per point (the latest), rewritten whole when the store opens
-    (a run interrupted between its jsonl line and the rewrite left it short) and after each point.
+    (a run interrupted between its jsonl line and the rewrite left it short) and after each point. A
+    results.csv that is not a view of the jsonl (rows the jsonl lacks) is moved aside first, with its
+    fit.json.
     Raises LockedError when another run holds the directory (another job of the same ``sweep`` is waited
     for: DirectoryLock), OSError when it cannot be written."""
 
@@ -803,14 +805,29 @@ class ResultStore:
             if resume:
                 if self.jsonl.exists():
                     self._load()
-            else:  # with the rows, the fit of them and the wandb run they were logged to: a new run
-                move_aside([self.jsonl, self.output_dir / "fit.json", self.output_dir / RUN_STATE], "replaced")
+                self._keep_a_foreign_csv()
+            else:  # with the rows, their views, the fit of them and the wandb run they were logged to: a new run
+                move_aside([self.jsonl, self.csv, self.output_dir / "fit.json", self.output_dir / RUN_STATE],
+                           "replaced")
             open(self.jsonl, "a").close()  # writable, or OSError now, before anything is measured
             if self.rows or self.csv.exists():
                 write_csv(self.csv, latest(self.rows))
         except BaseException:
             self.lock.release()
             raise
+
+    def _keep_a_foreign_csv(self) -> None:
+        """A results.csv that is not a view of results.jsonl (a point the jsonl lacks, a damaged line; say,
+        bench_cpu's combined table, or a csv whose jsonl was deleted) is moved aside with the fit.json
+        beside it, not rewritten from the jsonl: its rows would be lost."""
+        if not self.csv.exists():
+            return
+        contents = parse_csv(read_text(self.csv))
+        have = {point_key(r) for r in self.rows}
+        if contents.damaged or any(point_key(r) not in have for r in contents.rows):
+            aside = move_aside([self.csv, self.output_dir / "fit.json"], "replaced")
+            self.warn(f"{self.csv} holds rows that {self.jsonl.name} does not: moved to {aside[0].name}"
+                      + (f" (with fit.json: {aside[1].name})" if len(aside) > 1 else ""))
 
     def _load(self) -> None:
         text = read_text(self.jsonl)  # bytes not UTF-8 kept as they are

@@ -288,6 +288,39 @@ def test_a_line_that_is_not_utf8_is_moved_aside_byte_for_byte(tmp_path):
     assert aside.read_bytes() == bad and (out / "results.jsonl").read_bytes() == good
 
 
+def test_a_results_csv_that_is_not_the_jsonls_view_is_moved_aside_not_rewritten(tmp_path):
+    """A combined table (bench_cpu's results/cpu/results.csv has no results.jsonl beside it) or a csv whose
+    jsonl was deleted: a run into its directory moves it aside with its fit.json and says so, where it
+    used to rewrite it from the jsonl's rows, losing every row. A csv that is the jsonl's view, even a
+    short one (a run killed between its line and the rewrite), is rewritten; resume=false moves the view
+    aside with its jsonl."""
+    from harness.results import csv_text, read_csv
+
+    out = tmp_path / "D"
+    assert cli("seq_lens=[32,40]", f"hydra.run.dir={out}").returncode == 0
+    (out / "fit.json").write_text('{"fits": "the table\'s own"}\n')
+    table, fit = (out / "results.csv").read_text(), (out / "fit.json").read_text()
+    (out / "results.jsonl").unlink()
+    proc = cli("seq_lens=[48]", f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len([line for line in proc.stderr.splitlines() if "holds rows that results.jsonl does not" in line]) == 1
+    (csv_aside,), (fit_aside,) = out.glob("results.csv.replaced-*"), out.glob("fit.json.replaced-*")
+    assert csv_aside.read_text() == table and fit_aside.read_text() == fit
+    assert [r["seq_len"] for r in read_csv(out / "results.csv")] == [48]
+
+    view = tmp_path / "V"
+    assert cli("seq_lens=[32,40]", f"hydra.run.dir={view}").returncode == 0
+    (view / "results.csv").write_text(csv_text(read_jsonl(view / "results.jsonl")[:1]))
+    said = []
+    ResultStore(view, warn=said.append).close()
+    assert not said and not list(view.glob("*.replaced-*"))
+    assert [r["seq_len"] for r in read_csv(view / "results.csv")] == [32, 40]
+    table = (view / "results.csv").read_text()
+    ResultStore(view, resume=False, warn=said.append).close()
+    (csv_aside,) = view.glob("results.csv.replaced-*")
+    assert csv_aside.read_text() == table and list(view.glob("results.jsonl.replaced-*")) and not said
+
+
 def test_a_cut_last_line_is_moved_aside_not_appended_to(tmp_path):
     out = tmp_path / "D"
     assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
