@@ -359,7 +359,14 @@ def variant_names() -> list[str]:
 
 
 def one_line(text: Any) -> str:
-    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+    return " ".join(line.strip() for line in utf8(str(text)).splitlines() if line.strip())
+
+
+def utf8(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape (``\\udcff``): an exception naming a path
+    that is not UTF-8 carries one (Python's surrogateescape), which no UTF-8 file, console or wandb
+    table can take (UnicodeEncodeError)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def one_line_errors(parser: argparse.ArgumentParser, name: str | None = None) -> argparse.ArgumentParser:

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from .config import utf8
 from .logger import RUN_STATE
 
 STATUSES = ("ok", "oom", "skipped", "error", "nonfinite")
@@ -166,16 +167,17 @@ class Result:
 
 
 def _plain(x: Any) -> Any:
-    """A plain JSON value: NaN and infinities become null (not JSON), and subclasses of str/int/float
+    """A plain JSON value: NaN and infinities become null (not JSON), subclasses of str/int/float
     (torch's TorchVersion is a str) their base type, so a row read back equals the row written and
-    wandb's tables see one type per column."""
+    wandb's tables see one type per column, and text UTF-8 (``utf8``)."""
     if isinstance(x, bool) or x is None:
         return x
     if isinstance(x, float):
         return float(x) if math.isfinite(x) else None
-    for base in (str, int):
-        if isinstance(x, base):
-            return base(x)
+    if isinstance(x, str):
+        return utf8(str(x))
+    if isinstance(x, int):
+        return int(x)
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     return x
@@ -218,6 +220,9 @@ def _schema() -> dict[str, tuple[tuple[type, ...], bool]]:
 SCHEMA = _schema()
 
 
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def row_problem(row: Any) -> str | None:
     """Why ``row`` is not a result row (one short phrase), or None when it is one."""
     if not isinstance(row, dict):
@@ -240,6 +245,10 @@ def row_problem(row: Any) -> str | None:
     odd = [k for k, v in row.items() if k not in SCHEMA and isinstance(v, float) and not math.isfinite(v)]
     if odd:
         return f"{odd[0]} is not finite"
+    # A lone surrogate (JSON's "\udcff" escape) is no text: results.csv and the console could not take it
+    odd = [k for k, v in row.items() if isinstance(v, str) and SURROGATE.search(v)]
+    if odd:
+        return f"{odd[0]} holds a lone surrogate (not UTF-8 text)"
     if row["status"] not in STATUSES:
         return f"status {row['status']!r} is not one of {', '.join(STATUSES)}"
     if row["seq_len"] <= 0:
@@ -355,7 +364,9 @@ def parse_jsonl(text: str, check: Callable[[Any], str | None] | None = None) -> 
     """``check``: why a parsed line is not a row (default ``row_problem``: a result row)."""
     check = check or row_problem
     rows, damaged, recovered = [], [], []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # Lines end at "\n" only: str.splitlines would also split at U+2028, U+0085 or \x1c inside a JSON
+    # string (valid there), making one good row two damaged lines
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -321,6 +321,35 @@ def test_a_results_csv_that_is_not_the_jsonls_view_is_moved_aside_not_rewritten(
     assert csv_aside.read_text() == table and list(view.glob("results.jsonl.replaced-*")) and not said
 
 
+def test_text_that_is_not_utf8_inside_a_row_neither_crashes_a_run_nor_splits_a_line(tmp_path):
+    """An error's reason naming a path that is not UTF-8 holds a lone surrogate (surrogateescape): stored
+    escaped, so results.csv and the console take it (it raised UnicodeEncodeError after the jsonl line,
+    and again at every later run into the directory). A stored row holding one (JSON's "\\udcff") is a
+    damaged line. A raw U+2028 inside a JSON string is no line end: one row, kept."""
+    from harness.results import Result, read_csv
+
+    rec = {"variant": "full", "backend": "sdpa", "seq_len": 32, "batch_size": 1, "num_heads": 1, "head_dim": 8,
+           "dtype": "float32", "device": "cpu", "causal": False, "seed": 0, "status": "error"}
+    with ResultStore(tmp_path / "A") as store:
+        store.add(Result.from_record({**rec, "reason": "OSError: '/scratch/caf\udcff/kernel.so'"}))
+    (row,) = read_csv(tmp_path / "A" / "results.csv")
+    stored = read_jsonl(tmp_path / "A" / "results.jsonl")[0]["reason"]
+    assert row["reason"] == stored == "OSError: '/scratch/caf\\udcff/kernel.so'"
+
+    out = tmp_path / "B"
+    out.mkdir()
+    bad = json.dumps({**rec, "reason": "caf\udcff"})  # as an earlier version wrote it
+    good = json.dumps({**rec, "seq_len": 40, "reason": "one\u2028two"}, ensure_ascii=False)
+    (out / "results.jsonl").write_text(bad + "\n" + good + "\n", encoding="utf-8")
+    said = []
+    with ResultStore(out, warn=said.append) as store:
+        assert [r["seq_len"] for r in store.rows] == [40] and store.rows[0]["reason"] == "one\u2028two"
+    assert len(said) == 1 and "line(s) 1 (reason holds a lone surrogate" in said[0], said
+    (aside,) = out.glob("results.jsonl.damaged-*")
+    assert aside.read_text() == bad + "\n"
+    assert [r["seq_len"] for r in read_csv(out / "results.csv")] == [40]
+
+
 def test_a_cut_last_line_is_moved_aside_not_appended_to(tmp_path):
     out = tmp_path / "D"
     assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
