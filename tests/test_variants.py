@@ -215,6 +215,20 @@ def test_degenerate_equals_full(name, options, causal):
     torch.testing.assert_close(attn(q, k, v, causal=causal), full, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("name,options", [("blockwise", {"mode": "exact"}), ("blockwise", {"mode": "local"}),
+                                          ("sparse", {"pattern": "fixed"}), ("sparse", {"pattern": "bigbird"})],
+                         ids=lambda x: str(x))
+def test_a_block_far_past_n_costs_n_not_the_block(name, options):
+    """block_size ≥ N is one block of N rows (full attention): the engine plans and pads it at N, not at
+    the block size (b = 10^5 at N = 37 allocated two (b, b) patterns, 20 GB, and was killed)."""
+    N = 37
+    attn = variants.build(name, **options, block_size=100_000)
+    assert attn.engine_block_size(N) == N and attn.plan(N, False).block_size == N
+    assert attn.executed_pairs(N) == N * N and attn.memory_bytes(1, 2, N, 16, 8, False) < 2**20
+    q, k, v = qkv(1, 2, N, 16)
+    torch.testing.assert_close(attn(q, k, v), variants.build("full", backend="math")(q, k, v), rtol=1e-12, atol=1e-12)
+
+
 def test_linear_with_identity_projections_equals_full():
     N = 97
     attn = variants.build("linear", proj_dim=N, max_seq_len=N, share="headwise")

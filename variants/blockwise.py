@@ -51,10 +51,12 @@ class Blockwise(MaskedAttention):
 
     # local: the shared block-sparse engine on the diagonal layout.
     def engine_block_size(self, seq_len: int) -> int:
-        return self.options.block_size
+        # A block past N is the whole sequence: one block of N rows, not b (padded to b, a call would cost
+        # b² per head, and its (b, b) patterns b² bytes: gigabytes for N=32 at b=10^5)
+        return min(self.options.block_size, seq_len)
 
     def layout(self, seq_len: int, causal: bool) -> Tensor:
-        nb = num_blocks(seq_len, self.options.block_size)
+        nb = num_blocks(seq_len, self.engine_block_size(seq_len))
         return local_layout(nb) if self.options.mode == "local" else torch.ones(nb, nb, dtype=torch.bool)
 
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
