@@ -7,6 +7,7 @@ the choices there are, and a key not in the config in the words of what owns the
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -35,6 +36,13 @@ def check(argv: list[str]) -> None:
                           f"(-m), --cfg (-c), --info (-i), --shell-completion (-sc) (one job's config: --cfg job, no -m)")
     if args.resolve and args.cfg is None and not args.help:
         raise ConfigError("--resolve goes with --cfg or --help")
+    if args.config_path is not None and "://" not in args.config_path:  # Hydra's: relative to harness/
+        config_path = Path(__file__).resolve().parent / args.config_path
+        if not config_path.is_dir():
+            raise ConfigError(f"--config-path {config_path} is not a directory")
+    if args.experimental_rerun is not None and not Path(args.experimental_rerun).is_file():
+        raise ConfigError(f"--experimental-rerun {args.experimental_rerun} is not a file (a job's "
+                          f".hydra/config.pickle)")
     if args.help or args.hydra_help or commands not in ([], ["--run"], ["--multirun"]) or args.config_path \
             or args.experimental_rerun:
         return  # Hydra's own output (help, --cfg, --info), or a config Hydra finds elsewhere
@@ -63,10 +71,14 @@ def check(argv: list[str]) -> None:
             if isinstance(output_dir, str) and output_dir.strip():
                 check_output_dir(output_dir)
             if multirun:
+                distinct = {}  # the variants and tasks of the sweep's jobs: each built and checked once
                 for group in sweep_groups(OmegaConf.select(base, "hydra.sweeper.params") or {}, overrides):
                     cfg = compose_job(name, group[0], [group[0]])
                     for job in group:  # the values of every job: a bad one is refused before any job runs
-                        check_values(job_config(cfg, group[0], job) or compose_job(name, job, [job]))
+                        s = check_values(job_config(cfg, group[0], job) or compose_job(name, job, [job]))
+                        distinct.setdefault(repr((s.variant, s.task, s.seq_lens if s.task else ())), s)
+                for s in distinct.values():  # torch only once every job's values passed
+                    variant_and_task_checks(s)
                 return
             cfg = compose_job(name, overrides, [overrides])  # a sweep without -m: Hydra's "ambiguous value"
         except HydraException as e:  # an override that does not parse, a sweep Hydra's sweeper cannot expand
@@ -112,6 +124,14 @@ def compose_job(name: str, overrides: list[str], jobs: list[list[str]], mode=Non
         for job in jobs:
             judge_keys(name, job)
         raise ConfigError(one_line(e)) from None  # e.g. an option of the variant not in its YAML: use +
+    except ValueError as e:  # a config group's choice that is no name (variant=5: Hydra's parser made it an int)
+        loader = GlobalHydra.instance().config_loader()
+        for job in jobs:
+            for key, _, value in (o.partition("=") for o in job):
+                name_like = re.fullmatch(r"[A-Za-z_][\w.-]*", value) and value.lower() not in ("true", "false")
+                if is_group(key) and not name_like:
+                    one_of(key, value, tuple(loader.get_group_options(key)))
+        raise ConfigError(one_line(e)) from None
 
 
 def judge_keys(name: str, job: list[str]) -> None:
@@ -142,15 +162,27 @@ def harness_checks(cfg: DictConfig, whole: bool) -> None:
     from harness.config import ConfigError, settings_from_config
 
     settings = settings_from_config(cfg)
+    if not whole:
+        return variant_and_task_checks(settings)
     from variants import VariantError
 
-    from harness.quality import task_config
-    from harness.run import build_variant, validate
+    from harness.run import validate
 
     try:
-        if whole:
-            validate(cfg)
-            return
+        validate(cfg)
+    except VariantError as e:
+        raise ConfigError(str(e)) from None
+
+
+def variant_and_task_checks(settings) -> None:
+    """The variant built with its options, and the task's options checked at each length (imports torch)."""
+    from variants import VariantError
+
+    from harness.config import ConfigError
+    from harness.quality import task_config
+    from harness.run import build_variant
+
+    try:
         build_variant(settings.variant)
         for n in settings.seq_lens if settings.task is not None else ():
             task_config(settings, n)
@@ -203,15 +235,16 @@ def job_config(cfg: DictConfig, composed_from: list[str], job: list[str]) -> Dic
     return cfg
 
 
-def check_values(cfg: DictConfig) -> None:
-    """harness.config's checks of one job's config (no torch: cheap for every job of a sweep)."""
+def check_values(cfg: DictConfig):
+    """harness.config's checks of one job's config (no torch: cheap for every job of a sweep); its
+    Settings."""
     from omegaconf import open_dict
 
     from harness.config import settings_from_config
 
     with open_dict(cfg):
         del cfg["hydra"]
-    settings_from_config(cfg)
+    return settings_from_config(cfg)
 
 
 def key_of(override: str) -> str:

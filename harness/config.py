@@ -51,7 +51,8 @@ TASKS = ("none", "mqar")
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_BUDGET_SHARE = 0.5  # of MemAvailable: the CPU memory budget when memory_budget_gb is null
-SEED_MAX = 2**63 - 1  # a seed is an int64: the results' seed column; torch's generators take up to 2**64 - 1
+INT64_MAX = 2**63 - 1  # a count past it (N, B, H, D, ...) is no tensor size
+SEED_MAX = INT64_MAX  # a seed is an int64: the results' seed column; torch's generators take up to 2**64 - 1
 MAX_SECONDS = 7 * 24 * 3600  # a time option: a week is past any job; 1e14 s overflows a transfer's timedelta
 
 
@@ -114,7 +115,20 @@ def _is_number(x: Any) -> bool:
 def _positive_int(name: str, x: Any) -> int:
     if not _is_int(x) or x <= 0:
         raise ConfigError(f"{name} must be an integer > 0; got {x!r}")
+    if x > INT64_MAX:  # its FLOPs and bytes would pass float's range, and a tensor's size int64's
+        raise ConfigError(f"{name} must be an integer > 0 and at most 2**63-1; got a {len(str(x))}-digit integer")
     return x
+
+
+def _options(name: str, x: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """A group of options (``measure``, ``fidelity``, ...) as a dict, or the one line saying that
+    ``name=VALUE`` is not how it is set."""
+    if x is not None and not isinstance(x, Mapping):
+        raise ConfigError(f"{name} is a group of options, set one by one ({name}.KEY=VALUE; keys: "
+                          f"{', '.join(allowed)}); got {name}={x!r}")
+    cfg = dict(x or {})
+    _unknown_keys(f"{name} option", cfg, allowed)
+    return cfg
 
 
 def _finite(x: Any) -> bool:
@@ -168,8 +182,7 @@ def _seq_lens(cfg: Mapping[str, Any]) -> tuple[int, ...]:
 
 
 def _measure(cfg: Mapping[str, Any] | None) -> MeasureOptions:
-    cfg = dict(cfg or {})
-    _unknown_keys("measure option", cfg, MEASURE_KEYS)
+    cfg = _options("measure", cfg, MEASURE_KEYS)
     m = dataclasses.replace(MeasureOptions(), **cfg)
     passes = [m.passes] if isinstance(m.passes, str) else list(m.passes or [])
     bad = [p for p in passes if p not in PASSES]
@@ -196,8 +209,7 @@ def _measure(cfg: Mapping[str, Any] | None) -> MeasureOptions:
 
 
 def _fidelity(cfg: Mapping[str, Any] | None) -> FidelityOptions:
-    cfg = dict(cfg or {})
-    _unknown_keys("fidelity option", cfg, FIDELITY_KEYS)
+    cfg = _options("fidelity", cfg, FIDELITY_KEYS)
     f = dataclasses.replace(FidelityOptions(), **cfg)
     _bool("fidelity.enabled", f.enabled)
     _positive_int("fidelity.batch_size", f.batch_size)
@@ -215,7 +227,9 @@ def _task(cfg: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     if name not in TASKS:
         raise ConfigError(f"unknown task {name!r}; allowed: {', '.join(TASKS)} (conf/task/*.yaml)")
     if name == "none":
-        _unknown_keys("task=none option", cfg, ())
+        if cfg:  # options of a task that is not chosen
+            raise ConfigError(f"task=none takes no options; got task.{', task.'.join(sorted(cfg))} (choose a task "
+                              f"first: task={'|'.join(t for t in TASKS if t != 'none')})")
         return None
     if "seed" in cfg:  # its other values: MQARConfig's
         _seed("task.seed", cfg["seed"])
@@ -312,8 +326,7 @@ def _heads(cfg: Mapping[str, Any]) -> int:
 
 
 def _distributed(cfg: Mapping[str, Any] | None) -> float:
-    cfg = dict(cfg or {})
-    _unknown_keys("distributed option", cfg, ("timeout_s",))
+    cfg = _options("distributed", cfg, ("timeout_s",))
     return _positive_number("distributed.timeout_s", cfg.get("timeout_s", 120), "number of seconds", MAX_SECONDS)
 
 

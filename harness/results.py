@@ -249,6 +249,10 @@ def row_problem(row: Any) -> str | None:
     odd = [k for k, v in row.items() if isinstance(v, str) and SURROGATE.search(v)]
     if odd:
         return f"{odd[0]} holds a lone surrogate (not UTF-8 text)"
+    # An integer past int64 (JSON has no limit) overflows a float, numpy and wandb: no measurement is one
+    odd = [k for k, v in row.items() if isinstance(v, int) and not -2**63 <= v < 2**63]
+    if odd:
+        return f"{odd[0]} is past a 64-bit integer"
     if row["status"] not in STATUSES:
         return f"status {row['status']!r} is not one of {', '.join(STATUSES)}"
     if row["seq_len"] <= 0:

@@ -601,6 +601,23 @@ LATE_REFUSALS = [
     (["-m", "seq_lens=[32],[0]"], "seq_lens must be an integer > 0; got 0"),
     (["-m", "variant=full,blockwise", "seq_lens=[32],[64]", "measure.min_run_time=0.01,nan"],
      "measure.min_run_time must be a number of seconds > 0 (finite, at most 604800); got nan"),
+    # ... and the variant's and the task's options of every job, not only of the first of its group
+    (["-m", "seq_lens=[32]", "variant=sparse", "variant.pattern=fixed,nope"],
+     "sparse: unknown pattern 'nope'; allowed: fixed, strided, bigbird"),
+    (["-m", "seq_lens=[32]", "task=mqar", "task.steps=1,-1"], "task=mqar at N=32: steps must be an integer >= 1; got -1"),
+    # a group of options given a value, a group's choice that is no name: tracebacks
+    (["seq_len=32", "measure=5"], "measure is a group of options, set one by one (measure.KEY=VALUE; keys: passes, "
+                                  "warmup_iters, min_run_time, min_samples, max_run_time, timer, memory, param_grads, "
+                                  "max_rel_iqr, max_other_cores, on_noise, max_tries); got measure=5"),
+    (["seq_len=32", "distributed=true"], "distributed is a group of options, set one by one (distributed.KEY=VALUE; "
+                                         "keys: timeout_s); got distributed=True"),
+    (["seq_len=32", "variant=5"], "unknown variant '5'; allowed: adaptive_span, blockwise, full, linear, reformer, ring, "
+                                  "sliding_window, sparse, ulysses"),
+    # an integer past int64: its FLOPs overflowed a float after the first points were measured
+    ([f"seq_lens=[32,1{'0' * 30}]"], "seq_lens must be an integer > 0 and at most 2**63-1; got a 31-digit integer"),
+    # a task option without a task ("allowed: " and nothing)
+    (["seq_len=32", "task.steps=5"], "task=none takes no options; got task.steps (choose a task first: task=mqar)"),
+    (["--config-path=/nonexistent"], "--config-path /nonexistent is not a directory"),
 ]
 
 

@@ -419,3 +419,22 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     _one_line_error(cli("harness.report", good, "--fit-from", "4K"), "--fit-from", "'4K'")
     _one_line_error(cli("harness.report", good, "--no-such-option"), "--no-such-option")  # argparse's, in one line
     assert not (good / "report").exists()
+    # compare's metrics are numbers: a text or flag field is refused, not a column of dashes
+    _one_line_error(cli("harness.report.compare", good, good, "--metric", "status"), "status is no measured number")
+    # --out: a file, or a directory holding results (a job's: its results.csv would be replaced)
+    (tmp_path / "afile").write_text("")
+    _one_line_error(cli("harness.report", good, "--out", tmp_path / "afile"), "is a file")
+    job_rows = (good / "0" / "results.jsonl").read_text()
+    _one_line_error(cli("harness.report", good, "--out", good / "0"), "holds results")
+    assert not (good / "0" / "results.csv").exists() and (good / "0" / "results.jsonl").read_text() == job_rows
+    assert not (good / "report").exists()
+
+
+def test_a_row_with_an_integer_past_int64_is_a_damaged_line_not_a_crash(tmp_path):
+    """JSON has no integer limit; one past int64 overflowed a float in the report after it had written its
+    results.csv (a hand-made or foreign line: the harness never writes one)."""
+    big = row("full", "sdpa", 256, fwd=1.0, mem=1, fwd_bwd_ms=10**400)
+    sweep = write_sweep(tmp_path / "s", [[row("full", "sdpa", 128, fwd=1.0, mem=1), big]])
+    res = cli("harness.report", sweep)
+    assert res.returncode == 0, res.stderr
+    assert "damaged line(s) 2 (fwd_bwd_ms is past a 64-bit integer)" in res.stderr and "1 points" in res.stdout

@@ -305,10 +305,11 @@ def test_a_job_refused_in_a_directory_another_job_completed_leaves_its_status_an
     """seq_lens is not in a job directory's name: the jobs of seq_lens=[32],[16] share one. The second is
     refused at run time (MQAR needs N >= 24 here): the first's status.json still says completed, the
     refusal is in the sweep's refused-jobs.jsonl and counted, and the last line does not promise that
-    rerunning resumes what the same command refuses again."""
-    tiny = ["task=mqar", "seq_lens=[32],[16]", "task.steps=1", "task.eval_size=4", "task.batch_size=2",
-            "task.warmup_steps=0", "num_heads=1", "head_dim=8", "measure.passes=[]", "measure.memory=false",
-            "fidelity.enabled=false", "logger=none"]
+    rerunning resumes what the same command refuses again. (The command line's own check refuses that
+    value before any job runs; a config Hydra finds elsewhere, --config-path, is not checked up front.)"""
+    tiny = ["--config-path=../conf", "task=mqar", "seq_lens=[32],[16]", "task.steps=1", "task.eval_size=4",
+            "task.batch_size=2", "task.warmup_steps=0", "num_heads=1", "head_dim=8", "measure.passes=[]",
+            "measure.memory=false", "fidelity.enabled=false", "logger=none"]
     p = subprocess.run([sys.executable, "-m", "harness", "-m", *tiny, f"hydra.sweep.dir={tmp_path}"], check=False,
                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
     assert p.returncode == 1, p.stdout + p.stderr

@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from ..config import one_line_errors
-from ..results import from_timings
+from ..results import SCHEMA, from_timings
 from .collect import InputError, compare_key, environment_fields, load_rows, number, series_key, series_labels
 
 
@@ -47,6 +47,12 @@ def _interval(row: dict, metric: str) -> tuple[float, float] | None:
     if median is None:
         return None
     return median - (iqr or 0.0) / 2, median + (iqr or 0.0) / 2
+
+
+def numeric(metric: str) -> bool:
+    """Whether the schema makes ``metric`` a field of numbers (not text, not a flag)."""
+    types = SCHEMA.get(metric, ((), False))[0]
+    return bool(types) and set(types) <= {int, float}
 
 
 def judge(metric: str, ra: dict, rb: dict, threshold: float) -> tuple[float | None, str]:
@@ -144,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in metrics if not any(m in r for r in [*rows_a, *rows_b])]
         if unknown:
             raise InputError(f"--metric: {', '.join(unknown)} in neither A nor B")
+        # A metric is a number: a field of numbers (by the schema) or a column holding one
+        text = [m for m in metrics if not numeric(m) and all(number(r.get(m)) is None for r in [*rows_a, *rows_b])]
+        if text:
+            raise InputError(f"--metric: {', '.join(text)} is no measured number; allowed: a numeric field of "
+                             f"the results, e.g. fwd_ms, bwd_ms, fwd_bwd_ms, peak_mem_bytes, tflops_fwd, out_rel_err, "
+                             f"task_accuracy")
     except InputError as err:
         print(f"compare: error: {err}", file=sys.stderr)
         return 2

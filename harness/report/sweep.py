@@ -536,6 +536,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.fit_from.isascii() or not args.fit_from.isdigit():
         p.error(f"--fit-from must be a sequence length (a whole number >= 0), got {args.fit_from!r}")
     out = args.out or args.sweep_dir / REPORT_DIR
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {out} is a file (it names the report's directory)")
+    if (out / "results.jsonl").exists() or ((out / "results.csv").exists() and not (out / "report.html").exists()):
+        p.error(f"--out {out} holds results (a results.jsonl, or a results.csv no report wrote), which the "
+                f"report's results.csv would replace; choose another directory")
     try:
         rows, tables, images = make_report(args.sweep_dir, out, int(args.fit_from))
     except (InputError, OSError) as err:  # OSError: e.g. --out is a file or not writable
