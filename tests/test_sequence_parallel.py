@@ -319,6 +319,8 @@ def test_harness_spawns_the_ranks_and_a_failing_rank_is_an_error_row(tmp_path):
                                          "allowed: num_heads a multiple of 2"),
     (["variant=ring", "variant.inner=sliding_window"], "error: ring: inner must be an exact variant"),
     (["variant=ring", "distributed.timeout_s=0"], "error: distributed.timeout_s must be a number of seconds > 0"),
+    (["variant=ulysses", "variant.inner_options=5"], "error: ulysses: inner_options must be a mapping of the inner "
+                                                     "variant's options; got 5"),
 ])
 def test_bad_input_is_one_line(args, line, tmp_path):
     proc = harness(*args, f"hydra.run.dir={tmp_path / 'out'}")

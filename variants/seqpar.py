@@ -104,11 +104,10 @@ class SequenceParallel(Attention):
             single = [n for n, c in REGISTRY.items() if not issubclass(c, SequenceParallel)]
             require(o.inner in single, f"{self.name}: inner must be a single-device variant; got {o.inner!r}; "
                                        f"allowed: {', '.join(single)}")
-            inner_options = dict(o.inner_options or {})
             require(isinstance(o.inner_options, Mapping) or o.inner_options is None,
                     f"{self.name}: inner_options must be a mapping of the inner variant's options; "
                     f"got {o.inner_options!r}")
-            self.inner = build(o.inner, **self.inner_build_options(inner_options))
+            self.inner = build(o.inner, **self.inner_build_options(dict(o.inner_options or {})))
         return self.inner
 
     def inner_build_options(self, inner_options: dict[str, Any]) -> dict[str, Any]:
