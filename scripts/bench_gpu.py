@@ -51,12 +51,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the project, and bench_cpu beside this script
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from bench_cpu import output_dir, positive  # noqa: E402
 from harness.config import one_line, one_line_errors  # noqa: E402
 from harness.env import now  # noqa: E402
 from harness.results import InputError, fit_exponents, latest, load_rows, read_jsonl, write_json  # noqa: E402
@@ -850,11 +851,11 @@ def measured_on(out: Path, default: torch.device) -> torch.device:
 def main(argv: list[str] | None = None) -> int:
     ap = one_line_errors(argparse.ArgumentParser(description=__doc__,
                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
-    ap.add_argument("--out", type=Path, default=None, help="output directory (default results/gpu/<date>-<device>)")
+    ap.add_argument("--out", type=output_dir, default=None, help="output directory (default results/gpu/<date>-<device>)")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, in order (default {','.join(STEPS)})")
     labels = [label for label, _, _ in VARIANTS]
     ap.add_argument("--variants", default=",".join(labels), help=f"part a and d's series (default: all of {', '.join(labels)})")
-    ap.add_argument("--budget-s", type=float, default=None, help="seconds for this invocation (default: no limit)")
+    ap.add_argument("--budget-s", type=positive(float), default=None, help="seconds for this invocation (default: no limit)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, float32 on CPU: the orchestration end to end")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite SUMMARY.md, summary.json and reports")
     ap.add_argument("--pending", action="store_true", help="print the steps not complete in --out and exit")
@@ -874,6 +875,9 @@ def main(argv: list[str] | None = None) -> int:
     slug = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-") if device.type == "cuda" else "cpu"
     out = (args.out or ROOT / ("outputs/bench_gpu_smoke" if args.smoke else
                                f"results/gpu/{datetime.date.today().isoformat()}-{slug}")).resolve()
+    reader = "--summary-only" if args.summary_only else "--pending" if args.pending else None
+    if reader and not out.is_dir():  # made here, it would hold a summary of nothing
+        ap.error(f"{reader} reads the results directory of an earlier run (--out DIR); {out} does not exist")
     out.mkdir(parents=True, exist_ok=True)
     if args.summary_only:  # judged as on the machine that measured: a GPU's results stay a GPU's elsewhere
         device = measured_on(out, device)

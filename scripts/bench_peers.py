@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import variants  # noqa: E402
-from bench_cpu import ALLOCATOR_ENV  # noqa: E402
+from bench_cpu import ALLOCATOR_ENV, output_dir, positive  # noqa: E402
 from harness.config import MeasureOptions, one_line_errors  # noqa: E402
 from harness.env import OtherLoad, collect, now  # noqa: E402
 from harness.measure import time_fn  # noqa: E402
@@ -246,21 +246,27 @@ def table(rows: list[dict], env: dict, args) -> str:
 def main() -> None:
     ap = one_line_errors(argparse.ArgumentParser(description=__doc__,
                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=SEQ_LENS)
+    ap.add_argument("--seq-lens", type=positive(int), nargs="+", default=SEQ_LENS)
     ap.add_argument("--only", nargs="+", choices=list(PAIRS), default=list(PAIRS))
-    ap.add_argument("--min-run-time", type=float, default=0.3, help="seconds of timed calls per side")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds per pair and N (order alternating); the median is kept")
-    ap.add_argument("--max-other-cores", type=float, default=0.25)
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "cpu" / "peers")
+    ap.add_argument("--min-run-time", type=positive(float), default=0.3, help="seconds of timed calls per side")
+    ap.add_argument("--rounds", type=positive(int), default=3,
+                    help="rounds per pair and N (order alternating); the median is kept")
+    ap.add_argument("--max-other-cores", type=positive(float, zero=True), default=0.25)
+    ap.add_argument("--out", type=output_dir, default=ROOT / "results" / "cpu" / "peers")
     args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    odd = [n for n in args.seq_lens if n % 512]
+    if "longformer" in args.only and odd:  # the layer takes no other N: refused mid-run
+        ap.error(f"--only longformer needs every --seq-lens a multiple of 512; got {' '.join(map(str, odd))}")
     if any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):  # as scripts/bench_cpu.py: see there
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
     missing = [p for p in args.only if not available(p)]
-    if missing:
-        print(f"bench_peers: skipping {', '.join(missing)}: peers not installed ({INSTALL})", file=sys.stderr)
     pairs = [p for p in args.only if p not in missing]
+    if missing:
+        why = f"{', '.join(missing)}: peers not installed ({INSTALL})"
+        if not pairs:  # nothing would be measured: no results.json or table.md of nothing
+            print(f"bench_peers: nothing to measure: {why}", file=sys.stderr)
+            sys.exit(1)
+        print(f"bench_peers: skipping {why}", file=sys.stderr)
     opts = MeasureOptions(min_run_time=args.min_run_time, passes=("fwd_bwd",))
     env = collect(torch.device("cpu")).as_dict()
     started, rows = now(), []

@@ -38,6 +38,19 @@ for arg in "$@"; do
            exit 2 ;;
     esac
 done
+# The numbers the job computes with, checked before anything is written: bash's arithmetic takes "abc"
+# as 0 and stops at "2)" with errors of its own, and the job went on (and said it ended well).
+for setting in JOB_BUDGET_S PACK_EVERY_S TEST_WORKERS; do
+    value=${!setting:-}  # unset or empty: the default
+    [ -z "$value" ] || [[ $value =~ ^[1-9][0-9]{0,8}$ ]] && continue
+    allowed="a whole number of seconds from 1 to 999999999"
+    if [ "$setting" = TEST_WORKERS ]; then
+        [[ $value = auto || $value = logical ]] && continue  # pytest-xdist's own choices
+        allowed="a number of test processes from 1 to 999999999, auto or logical"
+    fi
+    echo "gpu_job.sh: $setting must be $allowed; got '$value'; see --help" >&2
+    exit 2
+done
 cd "$(dirname "$0")/.."
 
 JOB_BUDGET_S=${JOB_BUDGET_S:-480}

@@ -289,6 +289,7 @@ start() {
     env_lines
 }
 
+ALLOWED="allowed: start, stop, env, status; see --help"
 case "${1:-}" in
     start) start ;;
     stop)
@@ -299,5 +300,6 @@ case "${1:-}" in
     env) env_lines ;;
     status) is_up ;;
     -h | --help) usage ;;
-    *) usage; exit 2 ;;
+    "") say "missing command; $ALLOWED"; exit 2 ;;
+    *) say "unknown command '$1'; $ALLOWED"; exit 2 ;;
 esac

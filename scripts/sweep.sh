@@ -33,10 +33,13 @@ allowed_presets() {
     echo "${names[*]}" | sed 's/,/, /g'
 }
 
-if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
-    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
-    [ $# -ge 1 ] && exit 0
+if [ $# -lt 1 ]; then
+    echo "sweep.sh: missing PRESET (conf/sweep/PRESET.yaml); allowed: $(allowed_presets); see --help" >&2
     exit 2
+fi
+if [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
+    exit 0
 fi
 
 PRESET="$1"

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from harness.env import code_version
 
 from .conftest import ROOT
@@ -47,11 +49,37 @@ def test_two_variants_at_two_lengths(tmp_path):
     assert "not measured" in summary  # blockwise and full_math did not run: their target is not judged
 
 
-def test_rounds_below_one_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and done.stderr == "bench_cpu.py: error: --rounds must be at least 1, got 0; see --help\n"
-    assert not any(tmp_path.iterdir())
+def refusal(tmp_path, *args: str) -> str:
+    """bench_cpu's stderr for ``args``, asserting that it refused them in one line, exit 2, nothing made."""
+    (tmp_path / "file").write_text("kept")
+    cmd = [sys.executable, str(SCRIPT), "--only", "full_sdpa", "--wait-s", "0", "--rounds", "1",
+           "--out", str(tmp_path / "out"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert (done.returncode, done.stdout, done.stderr.count("\n")) == (2, "", 1), done.stdout + done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and (tmp_path / "file").read_text() == "kept"
+    return done.stderr
+
+
+@pytest.mark.parametrize("option, value, allowed", [
+    ("--seq-lens", "-5", "an integer > 0"), ("--min-run-time", "nan", "a finite number > 0"),
+    ("--memory-budget-gb", "-1", "a finite number > 0"), ("--rounds", "0", "an integer > 0"),
+    ("--wait-s", "-1", "a finite number >= 0")])
+def test_a_bad_number_is_one_line_before_anything_runs(tmp_path, option, value, allowed):
+    """These were passed to the harness, whose one-line refusal came with bench_cpu's traceback."""
+    assert refusal(tmp_path, option, value) == \
+        f"bench_cpu.py: error: argument {option}: must be {allowed}; got {value!r}; see --help\n"
+
+
+def test_an_out_that_is_a_file_is_one_line(tmp_path):
+    assert refusal(tmp_path, "--out", str(tmp_path / "file")) == (
+        f"bench_cpu.py: error: argument --out: cannot write results to {tmp_path / 'file'}: {tmp_path / 'file'} "
+        "is a file, not a directory; see --help\n")
+
+
+def test_what_the_harness_refuses_is_its_one_line_and_exit_code(tmp_path):
+    """A value only the harness can judge (a memory budget above this machine's memory): its refusal, not
+    a CalledProcessError's traceback after it."""
+    assert refusal(tmp_path, "--memory-budget-gb", "1e9").startswith("error: memory_budget_gb=1e+09 exceeds")
 
 
 def test_the_rounds_are_this_machines_latest_rows(tmp_path):

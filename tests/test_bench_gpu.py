@@ -163,8 +163,30 @@ def test_a_rerun_measures_nothing_again_and_a_spent_budget_resumes(smoke, tmp_pa
     assert pending.stdout.split() == ["c"]
     bad = subprocess.run(cmd + ["--variants", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "allowed: full" in bad.stderr and "Traceback" not in bad.stderr
-    bad = subprocess.run(cmd + ["--budget-s", "soon"], cwd=ROOT, capture_output=True, text=True)  # argparse's own: one line
-    assert bad.returncode == 2 and bad.stderr == "bench_gpu.py: error: argument --budget-s: invalid float value: 'soon'; see --help\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--smoke", "--budget-s", "soon"], "argument --budget-s: must be a finite number > 0; got 'soon'"),
+    (["--smoke", "--budget-s", "-5"], "argument --budget-s: must be a finite number > 0; got '-5'"),
+    (["--smoke", "--budget-s", "nan"], "argument --budget-s: must be a finite number > 0; got 'nan'"),  # was: no limit
+    (["--smoke", "--out", "FILE"], "argument --out: cannot write results to FILE: FILE is a file, not a directory"),
+    (["--summary-only", "--out", "NEW"], "--summary-only reads the results directory of an earlier run (--out DIR); "
+                                         "NEW does not exist"),
+    (["--smoke", "--pending", "--out", "NEW"], "--pending reads the results directory of an earlier run (--out DIR); "
+                                               "NEW does not exist")])
+def test_bad_input_is_one_line_and_makes_nothing(tmp_path, args, message):
+    """--out FILE was FileExistsError's traceback, and --summary-only made the directory and summarised nothing
+    in it (exit 0)."""
+    paths = {"FILE": tmp_path / "file", "NEW": tmp_path / "new"}
+    paths["FILE"].write_text("kept")
+    args = [str(paths.get(a, a)) for a in args]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stdout[-2000:] + proc.stderr[-2000:]
+    for name, path in paths.items():
+        message = message.replace(name, str(path))
+    assert proc.stderr == f"bench_gpu.py: error: {message}; see --help\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["file"] and paths["FILE"].read_text() == "kept"
 
 
 def test_a_job_whose_python_cannot_run_the_benchmark_is_not_complete(tmp_path):
@@ -420,6 +442,22 @@ def test_gpu_job_help_prints_its_usage_and_an_unknown_argument_is_one_line(tmp_p
                           timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr.count("\n")) == (2, "", 1), proc.stdout + proc.stderr
     assert proc.stderr.startswith("gpu_job.sh: unknown argument '--budget'; allowed: -h, --help"), proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("setting, value", [("JOB_BUDGET_S", "abc"), ("JOB_BUDGET_S", "1e3"), ("JOB_BUDGET_S", "2)"),
+                                            ("JOB_BUDGET_S", "-5"), ("PACK_EVERY_S", "0"), ("TEST_WORKERS", "many")])
+def test_gpu_job_refuses_a_setting_that_is_not_a_number_in_one_line(tmp_path, setting, value):
+    """bash's arithmetic took these as 0 or failed with errors of its own, and the job went on: it wrote job.log
+    and results.tar.gz and exited 0."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "BENCH_DIR": str(tmp_path / "bench"), "SKIP_WHEELS": "1",
+           "SKIP_TESTS": "1", "PYTHON": "false", "JOB_BUDGET_S": "1", setting: value}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_job.sh")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr.count("\n")) == (2, "", 1), proc.stdout + proc.stderr
+    allowed = ("a number of test processes from 1 to 999999999, auto or logical" if setting == "TEST_WORKERS" else
+               "a whole number of seconds from 1 to 999999999")
+    assert proc.stderr == f"gpu_job.sh: {setting} must be {allowed}; got '{value}'; see --help\n"
     assert list(tmp_path.iterdir()) == []
 
 

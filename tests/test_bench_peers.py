@@ -60,21 +60,47 @@ def test_longformer_peer(tmp_path):
     check(res["rows"], ["longformer"])
 
 
-def test_missing_peer_is_one_line(tmp_path):
-    """Without a peer the script says how to install it and measures the rest."""
+def without_local_attention(out, *pairs: str) -> subprocess.CompletedProcess:
+    """The script measuring ``pairs`` at N=256 into ``out`` as where local-attention is not installed."""
     code = ("import importlib.util, runpy, sys; real = importlib.util.find_spec; "
             "importlib.util.find_spec = lambda n, *a: None if n == 'local_attention' else real(n, *a); "
-            f"sys.argv = {[str(SCRIPT), '--seq-lens', '256', '--min-run-time', '0.01', '--rounds', '1', '--out', str(tmp_path), '--only', 'sliding_window', 'blockwise_exact']!r}; "
+            f"sys.argv = {[str(SCRIPT), '--seq-lens', '256', '--min-run-time', '0.01', '--rounds', '1', '--out', str(out), '--only', *pairs]!r}; "
             f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**30)}  # no re-exec
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_missing_peer_is_one_line(tmp_path):
+    """Without a peer the script says how to install it and measures the rest."""
+    done = without_local_attention(tmp_path, "sliding_window", "blockwise_exact")
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'skipping sliding_window: peers not installed (pip install -e ".[peers]")' in done.stderr
     assert [r["pair"] for r in json.loads((tmp_path / "results.json").read_text())["rows"]] == ["blockwise_exact"]
 
 
-def test_zero_rounds_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0", "--out", str(tmp_path)],
+def test_every_chosen_peer_missing_is_one_line_and_writes_nothing(tmp_path):
+    """It said it skipped them, then raised FileNotFoundError reading a table.md it never wrote."""
+    done = without_local_attention(tmp_path / "out", "sliding_window")
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr[-2000:]
+    assert done.stderr == 'bench_peers: nothing to measure: sliding_window: peers not installed (pip install -e ".[peers]")\n'
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seq-lens", "-5"], "argument --seq-lens: must be an integer > 0; got '-5'"),
+    (["--seq-lens", "0"], "argument --seq-lens: must be an integer > 0; got '0'"),
+    (["--min-run-time", "nan"], "argument --min-run-time: must be a finite number > 0; got 'nan'"),  # looped forever
+    (["--min-run-time", "-1"], "argument --min-run-time: must be a finite number > 0; got '-1'"),
+    (["--rounds", "0"], "argument --rounds: must be an integer > 0; got '0'"),
+    (["--only", "longformer", "--seq-lens", "512", "768"], "--only longformer needs every --seq-lens a multiple of 512; got 768"),
+    (["--out", "FILE"], "argument --out: cannot write results to FILE: FILE is a file, not a directory")])
+def test_bad_input_is_one_line_before_anything_is_made(tmp_path, args, message):
+    """-5 and 0 were a traceback from torch or the variant, after the output directory was made."""
+    file = tmp_path / "file"
+    file.write_text("kept")
+    args = [str(file) if a == "FILE" else a for a in args]
+    done = subprocess.run([sys.executable, str(SCRIPT), "--only", "blockwise_exact", "--out", str(tmp_path / "out"), *args],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and done.stderr == "bench_peers.py: error: --rounds must be at least 1, got 0; see --help\n"
-    assert not (tmp_path / "results.json").exists()
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr[-2000:]
+    assert done.stderr == f"bench_peers.py: error: {message.replace('FILE', str(file))}; see --help\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["file"] and file.read_text() == "kept"

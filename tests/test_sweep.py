@@ -109,6 +109,23 @@ def test_unknown_preset_is_one_line_and_no_sweep_dir(tmp_path, preset):
     assert after == before
 
 
+@pytest.mark.parametrize("script, args, first", [
+    ("sweep.sh", [], f"sweep.sh: missing PRESET (conf/sweep/PRESET.yaml); allowed: {', '.join(PRESETS)}"),
+    ("slurm_cluster.sh", [], "slurm_cluster: missing command; allowed: start, stop, env, status"),
+    ("slurm_cluster.sh", ["nope"], "slurm_cluster: unknown command 'nope'; allowed: start, stop, env, status")])
+def test_a_missing_or_unknown_command_is_one_line_and_help_the_usage(tmp_path, script, args, first):
+    """Both printed their whole usage (some 20 lines) for a missing or unknown argument; --help still does."""
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(ROOT / "scripts" / script), *argv], cwd=tmp_path,
+                              env=env(CLUSTER_DIR=str(tmp_path / "cluster")), capture_output=True, text=True, timeout=60)
+
+    p = run(*args)
+    assert (p.returncode, p.stdout, p.stderr) == (2, "", f"{first}; see --help\n"), p.stdout + p.stderr
+    usage = run("--help")
+    assert usage.returncode == 0 and usage.stderr.startswith(f"scripts/{script} ") and len(lines(usage)) > 10
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_harness_exit_code_propagates(tmp_path):
     p = sweep("cpu_small", "no_such_key=1", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert p.returncode == 2, p.stdout + p.stderr
