@@ -12,7 +12,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, NoReturn
+from typing import Any, Callable, Mapping, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -391,3 +391,31 @@ def one_line_errors(parser: argparse.ArgumentParser, name: str | None = None) ->
 
     parser.error = error  # type: ignore[method-assign]
     return parser
+
+
+def positive_arg(kind: type, zero: bool = False) -> Callable[[str], int | float]:
+    """An argparse type for the scripts' counts and durations: a ``kind`` (int or float) > 0, or >= 0 with
+    ``zero``, finite; anything else is refused before anything runs or is written, in argparse's one line
+    naming the argument, what it takes and the value given."""
+    allowed = f"{'an integer' if kind is int else 'a finite number'} {'>=' if zero else '>'} 0"
+
+    def parse(text: str) -> int | float:
+        try:
+            x = kind(text)
+        except ValueError:
+            x = math.nan
+        if not ((kind is int or math.isfinite(x)) and (x >= 0 if zero else x > 0)):
+            raise argparse.ArgumentTypeError(f"must be {allowed}; got {text!r}")
+        return x
+    return parse
+
+
+def output_dir_arg(text: str) -> Path:
+    """An argparse type for the scripts' --out: a directory results can be written to (made when missing);
+    a file, a path under one or in a read-only place is refused in one line before anything runs, not by
+    mkdir's traceback once the measurements are done."""
+    try:
+        check_output_dir(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return Path(text)

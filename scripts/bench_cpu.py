@@ -23,14 +23,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from harness.config import ConfigError, check_output_dir, one_line_errors  # noqa: E402
+from harness.config import one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import OtherLoad, cpu_name, mem_available_bytes  # noqa: E402
 from harness.results import Result, fit_exponents, latest, machine, read_jsonl, write_csv, write_json  # noqa: E402
 
@@ -59,55 +58,27 @@ ROUNDS_DISAGREE = 1.10  # a point whose slowest round took more than 1.1x its fa
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 
 
-def positive(kind: type, zero: bool = False) -> Callable[[str], int | float]:
-    """An argparse type (this script's, bench_peers' and bench_gpu's): a ``kind`` (int or float) > 0, or
-    >= 0 with ``zero``, finite; anything else is refused before anything runs or is written, in argparse's
-    one line naming the argument, what it takes and the value given."""
-    allowed = f"{'an integer' if kind is int else 'a finite number'} {'>=' if zero else '>'} 0"
-
-    def parse(text: str) -> int | float:
-        try:
-            x = kind(text)
-        except ValueError:
-            x = math.nan
-        if not ((kind is int or math.isfinite(x)) and (x >= 0 if zero else x > 0)):
-            raise argparse.ArgumentTypeError(f"must be {allowed}; got {text!r}")
-        return x
-    return parse
-
-
-def output_dir(text: str) -> Path:
-    """An argparse type (this script's, bench_peers' and bench_gpu's): a directory results can be written to
-    (made when missing); a file, a path under one or in a read-only place is refused in one line before
-    anything runs, not by mkdir's traceback once the measurements are done."""
-    try:
-        check_output_dir(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return Path(text)
-
-
 def main() -> None:
     ap = one_line_errors(argparse.ArgumentParser(description=__doc__,
                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
-    ap.add_argument("--out", type=output_dir, default=ROOT / "results" / "cpu")
-    ap.add_argument("--seq-lens", type=positive(int), nargs="+", default=SEQ_LENS)
-    ap.add_argument("--min-run-time", type=positive(float), default=0.3, help="seconds of timed calls per pass")
-    ap.add_argument("--memory-budget-gb", type=positive(float), default=None,
+    ap.add_argument("--out", type=output_dir_arg, default=ROOT / "results" / "cpu")
+    ap.add_argument("--seq-lens", type=positive_arg(int), nargs="+", default=SEQ_LENS)
+    ap.add_argument("--min-run-time", type=positive_arg(float), default=0.3, help="seconds of timed calls per pass")
+    ap.add_argument("--memory-budget-gb", type=positive_arg(float), default=None,
                     help="skip points above this analytic memory (default: 0.8 x MemAvailable: full math at "
                          "N=16384 needs three 4 GiB N×N matrices)")
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    ap.add_argument("--max-other-cores", type=positive(float, zero=True), default=0.25,
+    ap.add_argument("--max-other-cores", type=positive_arg(float, zero=True), default=0.25,
                     help="a measurement during which other processes kept more cores than this busy is kept "
                          "only where no quieter round of the point exists")
-    ap.add_argument("--rounds", type=positive(int), default=3,
+    ap.add_argument("--rounds", type=positive_arg(int), default=3,
                     help="measurements of each point (in separate processes, minutes apart); the median is kept")
-    ap.add_argument("--round-max-s", type=positive(float), default=60.0,
+    ap.add_argument("--round-max-s", type=positive_arg(float), default=60.0,
                     help="measure a point again only when that takes at most this long (estimated)")
     ap.add_argument("--resume", action="store_true",
                     help="reuse a round's earlier results in --out when they cover its lengths (results taken on "
                          "another machine are not reused: the harness measures those points again)")
-    ap.add_argument("--wait-s", type=positive(float, zero=True), default=60.0,
+    ap.add_argument("--wait-s", type=positive_arg(float, zero=True), default=60.0,
                     help="longest wait for a quiet machine before a run")
     ap.add_argument("--glibc-default", action="store_true",
                     help=f"keep glibc's default allocator settings (otherwise re-run with {ALLOCATOR_ENV})")

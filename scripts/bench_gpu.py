@@ -51,14 +51,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the project, and bench_cpu beside this script
+sys.path.insert(0, str(ROOT))
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from bench_cpu import output_dir, positive  # noqa: E402
-from harness.config import one_line, one_line_errors  # noqa: E402
+from harness.config import one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import now  # noqa: E402
 from harness.results import InputError, fit_exponents, latest, load_rows, read_jsonl, write_json  # noqa: E402
 
@@ -851,11 +850,13 @@ def measured_on(out: Path, default: torch.device) -> torch.device:
 def main(argv: list[str] | None = None) -> int:
     ap = one_line_errors(argparse.ArgumentParser(description=__doc__,
                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
-    ap.add_argument("--out", type=output_dir, default=None, help="output directory (default results/gpu/<date>-<device>)")
+    ap.add_argument("--out", type=output_dir_arg, default=None,
+                    help="output directory (default results/gpu/<date>-<device>)")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, in order (default {','.join(STEPS)})")
     labels = [label for label, _, _ in VARIANTS]
     ap.add_argument("--variants", default=",".join(labels), help=f"part a and d's series (default: all of {', '.join(labels)})")
-    ap.add_argument("--budget-s", type=positive(float), default=None, help="seconds for this invocation (default: no limit)")
+    ap.add_argument("--budget-s", type=positive_arg(float), default=None,
+                    help="seconds for this invocation (default: no limit)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, float32 on CPU: the orchestration end to end")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite SUMMARY.md, summary.json and reports")
     ap.add_argument("--pending", action="store_true", help="print the steps not complete in --out and exit")

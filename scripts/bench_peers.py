@@ -44,8 +44,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import variants  # noqa: E402
-from bench_cpu import ALLOCATOR_ENV, output_dir, positive  # noqa: E402
-from harness.config import MeasureOptions, one_line_errors  # noqa: E402
+from bench_cpu import ALLOCATOR_ENV  # noqa: E402
+from harness.config import MeasureOptions, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import OtherLoad, collect, now  # noqa: E402
 from harness.measure import time_fn  # noqa: E402
 from harness.memory import peak_memory  # noqa: E402
@@ -246,13 +246,13 @@ def table(rows: list[dict], env: dict, args) -> str:
 def main() -> None:
     ap = one_line_errors(argparse.ArgumentParser(description=__doc__,
                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
-    ap.add_argument("--seq-lens", type=positive(int), nargs="+", default=SEQ_LENS)
+    ap.add_argument("--seq-lens", type=positive_arg(int), nargs="+", default=SEQ_LENS)
     ap.add_argument("--only", nargs="+", choices=list(PAIRS), default=list(PAIRS))
-    ap.add_argument("--min-run-time", type=positive(float), default=0.3, help="seconds of timed calls per side")
-    ap.add_argument("--rounds", type=positive(int), default=3,
+    ap.add_argument("--min-run-time", type=positive_arg(float), default=0.3, help="seconds of timed calls per side")
+    ap.add_argument("--rounds", type=positive_arg(int), default=3,
                     help="rounds per pair and N (order alternating); the median is kept")
-    ap.add_argument("--max-other-cores", type=positive(float, zero=True), default=0.25)
-    ap.add_argument("--out", type=output_dir, default=ROOT / "results" / "cpu" / "peers")
+    ap.add_argument("--max-other-cores", type=positive_arg(float, zero=True), default=0.25)
+    ap.add_argument("--out", type=output_dir_arg, default=ROOT / "results" / "cpu" / "peers")
     args = ap.parse_args()
     odd = [n for n in args.seq_lens if n % 512]
     if "longformer" in args.only and odd:  # the layer takes no other N: refused mid-run
