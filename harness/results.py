@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from .config import utf8
+from .config import INT64_MAX, utf8
 from .logger import RUN_STATE
 
 STATUSES = ("ok", "oom", "skipped", "error", "nonfinite")
@@ -250,7 +250,7 @@ def row_problem(row: Any) -> str | None:
     if odd:
         return f"{odd[0]} holds a lone surrogate (not UTF-8 text)"
     # An integer past int64 (JSON has no limit) overflows a float, numpy and wandb: no measurement is one
-    odd = [k for k, v in row.items() if isinstance(v, int) and not -2**63 <= v < 2**63]
+    odd = [k for k, v in row.items() if isinstance(v, int) and not -INT64_MAX - 1 <= v <= INT64_MAX]
     if odd:
         return f"{odd[0]} is past a 64-bit integer"
     if row["status"] not in STATUSES:
