@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 from omegaconf import DictConfig
 
@@ -80,7 +81,9 @@ def check(argv: list[str]) -> None:
                 for s in distinct.values():  # torch only once every job's values passed
                     variant_and_task_checks(s)
                 return
-            cfg = compose_job(name, overrides, [overrides])  # a sweep without -m: Hydra's "ambiguous value"
+            # One job's config is the base unless a value sweeps (a sweep without -m: Hydra's "ambiguous
+            # value" in RUN mode); composing again would cost a quarter of a second for the same config.
+            cfg = compose_job(name, overrides, [overrides]) if sweeps(overrides) else base
         except HydraException as e:  # an override that does not parse, a sweep Hydra's sweeper cannot expand
             raise ConfigError(one_line(e)) from None
     with open_dict(cfg):
@@ -212,6 +215,15 @@ def sweep_groups(params, overrides: list[str]) -> list[list[list[str]]]:
     return list(groups.values())
 
 
+def sweeps(overrides: list[str]) -> bool:
+    """Whether an override sweeps (a,b or a sweep function: one value per job)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    return any(o.is_sweep_override() for o in parser.parse_overrides(overrides))
+
+
 def job_config(cfg: DictConfig, composed_from: list[str], job: list[str]) -> DictConfig | None:
     """The config of ``job``, a job of the same group combination as ``composed_from`` (whose composed
     config ``cfg`` is): the overrides in which they differ (values: a sweep's) applied to a copy as Hydra
@@ -255,4 +267,10 @@ def is_group(key: str) -> bool:
     """``key`` names a config group (variant, hydra/launcher), whose value is a choice of config file."""
     from hydra.core.global_hydra import GlobalHydra
 
-    return "/" in key or key in GlobalHydra.instance().config_loader().list_groups("")
+    loader = GlobalHydra.instance().config_loader()
+    if loader not in _GROUPS:  # listing them reads the config search path: once per Hydra, not per override
+        _GROUPS[loader] = frozenset(loader.list_groups(""))
+    return "/" in key or key in _GROUPS[loader]
+
+
+_GROUPS: WeakKeyDictionary = WeakKeyDictionary()  # each config loader's top-level groups

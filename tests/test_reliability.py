@@ -243,7 +243,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_said(tmp_path):
 
 def test_damaged_lines_are_moved_aside_said_and_their_points_measured_again(tmp_path):
     out = tmp_path / "D"
-    assert cli("seq_lens=[32,40,48,56]", f"hydra.run.dir={out}").returncode == 0
+    run(compose_cfg(*TINY, "seq_lens=[32,40,48,56]"), output_dir=out)
     r32, r40, r48, r56 = (json.loads(line) for line in lines_of(out / "results.jsonl"))
     no_status = {k: v for k, v in r48.items() if k != "status"}
     text_len = {**r56, "seq_len": "56"}
@@ -297,7 +297,7 @@ def test_a_results_csv_that_is_not_the_jsonls_view_is_moved_aside_not_rewritten(
     from harness.results import csv_text, read_csv
 
     out = tmp_path / "D"
-    assert cli("seq_lens=[32,40]", f"hydra.run.dir={out}").returncode == 0
+    run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=out)  # the run said below is a process of its own
     (out / "fit.json").write_text('{"fits": "the table\'s own"}\n')
     table, fit = (out / "results.csv").read_text(), (out / "fit.json").read_text()
     (out / "results.jsonl").unlink()
@@ -309,7 +309,7 @@ def test_a_results_csv_that_is_not_the_jsonls_view_is_moved_aside_not_rewritten(
     assert [r["seq_len"] for r in read_csv(out / "results.csv")] == [48]
 
     view = tmp_path / "V"
-    assert cli("seq_lens=[32,40]", f"hydra.run.dir={view}").returncode == 0
+    run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=view)
     (view / "results.csv").write_text(csv_text(read_jsonl(view / "results.jsonl")[:1]))
     said = []
     ResultStore(view, warn=said.append).close()
@@ -352,7 +352,7 @@ def test_text_that_is_not_utf8_inside_a_row_neither_crashes_a_run_nor_splits_a_l
 
 def test_a_cut_last_line_is_moved_aside_not_appended_to(tmp_path):
     out = tmp_path / "D"
-    assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
+    run(compose_cfg(*TINY, "seq_lens=[32]"), output_dir=out)
     with open(out / "results.jsonl", "a") as f:
         f.write('{"variant": "full", "seq_len": 4')  # a kill mid-write
     assert cli("seq_lens=[32,40]", f"hydra.run.dir={out}").returncode == 0
@@ -504,11 +504,11 @@ def test_a_results_file_replaced_during_a_run_still_gets_the_later_points(tmp_pa
 
 def test_retry_measures_stored_failures_again_and_the_new_row_supersedes(tmp_path):
     out = tmp_path / "D"
-    assert cli("seq_lens=[32]", "memory_budget_gb=0.000001", f"hydra.run.dir={out}").returncode == 0
+    run(compose_cfg(*TINY, "seq_lens=[32]", "memory_budget_gb=0.000001"), output_dir=out)
     assert [r["status"] for r in read_jsonl(out / "results.jsonl")] == ["skipped"]
-    assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0  # resume: kept as it is
+    run(compose_cfg(*TINY, "seq_lens=[32]"), output_dir=out)  # resume: kept as it is
     assert [r["status"] for r in read_jsonl(out / "results.jsonl")] == ["skipped"]
-    assert cli("seq_lens=[32]", "retry=[skipped]", f"hydra.run.dir={out}").returncode == 0
+    run(compose_cfg(*TINY, "seq_lens=[32]", "retry=[skipped]"), output_dir=out)
     assert [r["status"] for r in read_jsonl(out / "results.jsonl")] == ["skipped", "ok"]  # both kept
     with open(out / "results.csv") as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["ok"]  # the view: one row per point
