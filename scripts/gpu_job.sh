@@ -84,25 +84,31 @@ else
     echo "gpu_job: no wheels/ here; using the installed packages (an offline node needs scripts/fetch_wheels.sh)"
 fi
 
-# 2. environment
+# 2. environment, said on stderr (the log); stdout: the device's name for the results directory, from
+# the same process (each python that starts torch and CUDA costs seconds of the call)
 nvidia-smi || echo "nvidia-smi failed"
-"$PY" - <<'PYEOF'
-import importlib, importlib.metadata as md, platform
+DEVICE=$("$PY" - <<'PYEOF'
+import importlib, importlib.metadata as md, platform, re, sys
 import torch
-print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-      f"cuDNN {torch.backends.cudnn.version()}, cuda available {torch.cuda.is_available()}")
+say = sys.stderr.write
+say(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+    f"cuDNN {torch.backends.cudnn.version()}, cuda available {torch.cuda.is_available()}\n")
 for name in ("triton", "xformers", "hydra-core", "omegaconf", "wandb", "matplotlib", "numpy"):
     try:
-        print(f"  {name} {md.version(name)}")
+        say(f"  {name} {md.version(name)}\n")
     except md.PackageNotFoundError:
-        print(f"  {name}: not installed")
+        say(f"  {name}: not installed\n")
 for mod in ("hydra", "wandb", "xformers.ops"):
     try:
         importlib.import_module(mod)
-        print(f"  import {mod}: ok")
+        say(f"  import {mod}: ok\n")
     except Exception as e:
-        print(f"  import {mod}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        say(f"  import {mod}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}\n")
+cuda = torch.cuda.is_available()
+print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-") if cuda else "cpu")
 PYEOF
+)
+DEVICE=${DEVICE##*$'\n'}  # its last line: an import may print on stdout too
 
 # 5. results to take home: packed into OUT after each step, every PACK_EVERY_S seconds while the benchmark
 # runs, and on any exit (the end, a failure, a signal), so that what was measured leaves even when the call
@@ -141,7 +147,6 @@ take_home() {
     fi
 }
 
-DEVICE=$("$PY" -c "import re, torch; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-') if torch.cuda.is_available() else 'cpu')")
 [ -n "$DEVICE" ] || DEVICE=unknown-device  # python or torch does not run: said above
 if [ -z "${BENCH_DIR:-}" ]; then
     # This device's latest results directory unless it is complete: a benchmark that takes several calls
