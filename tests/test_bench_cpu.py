@@ -49,6 +49,17 @@ def test_two_variants_at_two_lengths(tmp_path):
     assert "not measured" in summary  # blockwise and full_math did not run: their target is not judged
 
 
+def test_a_memory_budget_of_a_few_megabytes_reaches_the_harness_as_given(tmp_path):
+    """It was rounded to 0.01 GB: 0.0049 became memory_budget_gb=0.00, which the harness refuses."""
+    cmd = [sys.executable, str(SCRIPT), "--only", "sliding_window", "--seq-lens", "128", "--min-run-time", "0.01",
+           "--out", str(tmp_path), "--wait-s", "0", "--rounds", "1", "--memory-budget-gb", "0.0049"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(tmp_path / "results.csv") as f:
+        assert [r["status"] for r in csv.DictReader(f)] == ["ok"]  # 1.6 MB of analytic memory: within it
+    assert "memory budget 0.0049 GB" in (tmp_path / "SUMMARY.md").read_text()
+
+
 def refusal(tmp_path, *args: str) -> str:
     """bench_cpu's stderr for ``args``, asserting that it refused them in one line, exit 2, nothing made."""
     (tmp_path / "file").write_text("kept")
