@@ -419,3 +419,32 @@ def output_dir_arg(text: str) -> Path:
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return Path(text)
+
+
+def ctrl_c_is_one_line(main: Callable[[], int | None], name: str, after: str) -> int | None:
+    """``main()`` of a script, a Ctrl-C ending it in one line (``NAME: interrupted (Ctrl-C); AFTER``) and
+    exit 130 (the shell's code for SIGINT) instead of a KeyboardInterrupt's traceback."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted (Ctrl-C); {after}", file=sys.stderr)
+        return 130
+
+
+def wait_through_ctrl_c(proc, grace_s: float = 30.0) -> int:
+    """The exit code of a harness the script started. A Ctrl-C at a terminal reaches the harness too, which
+    records its run as interrupted and ends with its own line: it is waited for (``grace_s``, then sent the
+    SIGINT it missed: the Ctrl-C was the script's alone, ``kill -INT``), never killed halfway through
+    writing that; the caller exits with its code."""
+    import signal
+    import subprocess
+
+    timeout = None
+    while True:
+        try:
+            return proc.wait(timeout=timeout)
+        except KeyboardInterrupt:
+            timeout = grace_s
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            timeout = None

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from harness.config import one_line_errors, output_dir_arg, positive_arg  # noqa: E402
+from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg, wait_through_ctrl_c  # noqa: E402
 from harness.env import OtherLoad, cpu_name, mem_available_bytes  # noqa: E402
 from harness.results import Result, fit_exponents, latest, machine, read_jsonl, write_csv, write_json  # noqa: E402
 
@@ -151,7 +151,7 @@ def run_harness(overrides: list[str], output_dir: Path) -> None:
     no variant inherits another's heap (the allocator's history changes CPU timings, see above)."""
     cmd = [sys.executable, "-m", "harness", *overrides, f"hydra.run.dir={output_dir}", "hydra.output_subdir=null",
            "hydra/job_logging=disabled"]
-    rc = subprocess.run(cmd, cwd=ROOT).returncode
+    rc = wait_through_ctrl_c(subprocess.Popen(cmd, cwd=ROOT))
     # A harness that refused (a length or budget it will not take: exit 2) or failed said why in its one
     # line, and nothing is combined from a variant it did not measure: its exit code is this one's.
     if rc < 0:  # killed by a signal: it said nothing
@@ -338,4 +338,4 @@ def targets(rows, fits) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(ctrl_c_is_one_line(main, "bench_cpu.py", "rerun the same command to resume (what was measured is kept)"))

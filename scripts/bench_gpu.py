@@ -57,7 +57,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from harness.config import one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
+from harness.config import ctrl_c_is_one_line, one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import now  # noqa: E402
 from harness.results import InputError, fit_exponents, latest, load_rows, read_jsonl, write_json  # noqa: E402
 
@@ -913,4 +913,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ctrl_c_is_one_line(main, "bench_gpu.py", "rerun the same command to resume (a sweep that was running said so itself)"))

@@ -45,7 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import variants  # noqa: E402
 from bench_cpu import ALLOCATOR_ENV  # noqa: E402
-from harness.config import MeasureOptions, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
+from harness.config import MeasureOptions, ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import OtherLoad, collect, now  # noqa: E402
 from harness.measure import time_fn  # noqa: E402
 from harness.memory import peak_memory  # noqa: E402
@@ -284,5 +284,6 @@ def main() -> None:
             (args.out / "table.md").write_text(table(rows, env, args))
     print((args.out / "table.md").read_text())
 
+
 if __name__ == "__main__":
-    main()
+    sys.exit(ctrl_c_is_one_line(main, "bench_peers.py", "results.json and table.md hold the pairs measured before it"))

@@ -6,8 +6,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -58,6 +60,26 @@ def test_a_memory_budget_of_a_few_megabytes_reaches_the_harness_as_given(tmp_pat
     with open(tmp_path / "results.csv") as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["ok"]  # 1.6 MB of analytic memory: within it
     assert "memory budget 0.0049 GB" in (tmp_path / "SUMMARY.md").read_text()
+
+
+def test_ctrl_c_ends_the_harness_it_runs_as_interrupted_in_its_one_line(tmp_path):
+    """Ctrl-C reaches the script and the harness it runs: the harness records its run interrupted and says
+    so in one line, and the script waits for it and exits with its code (it printed a KeyboardInterrupt
+    traceback, and its wait could kill the harness while that wrote its status)."""
+    cmd = [sys.executable, str(SCRIPT), "--only", "linear", "--seq-lens", "128", "256", "--min-run-time", "0.3",
+           "--out", str(tmp_path), "--wait-s", "0", "--rounds", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "WANDB_MODE": "disabled"})
+    rows = tmp_path / "linear" / "results.jsonl"
+    deadline = time.monotonic() + 120
+    while not (rows.exists() and rows.read_text().strip()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the first point measured: the harness is measuring the next
+    assert proc.poll() is None, "it ended before Ctrl-C: " + proc.communicate()[1][-2000:]
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground process group
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1].startswith("error: interrupted (Ctrl-C) after 1 of 2 points; rerun"), err[-2000:]
+    assert json.loads((tmp_path / "linear" / "status.json").read_text())["state"] == "interrupted"
 
 
 def refusal(tmp_path, *args: str) -> str:

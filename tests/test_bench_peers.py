@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -22,6 +24,22 @@ def run(tmp_path, pairs, seq_lens=("256",), rounds=1):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads((tmp_path / "results.json").read_text()), done
+
+
+def test_ctrl_c_is_one_line_and_keeps_the_pairs_measured(tmp_path):
+    """It was a KeyboardInterrupt's traceback. results.json is written after every pair: the first stays."""
+    cmd = [sys.executable, str(SCRIPT), "--seq-lens", "256", "--min-run-time", "0.3", "--rounds", "1",
+           "--out", str(tmp_path), "--only", "sparse_fixed", "blockwise_exact"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "results.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "it ended before Ctrl-C: " + proc.communicate()[1][-2000:]
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, "bench_peers.py: interrupted (Ctrl-C); results.json and table.md hold "
+                                           "the pairs measured before it\n"), err[-2000:]
+    assert [r["pair"] for r in json.loads((tmp_path / "results.json").read_text())["rows"]] == ["sparse_fixed"]
 
 
 def check(rows, pairs):
