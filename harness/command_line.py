@@ -263,6 +263,9 @@ def key_of(override: str) -> str:
     return override.split("=", 1)[0].strip()
 
 
+_GROUPS: WeakKeyDictionary = WeakKeyDictionary()  # each config loader's top-level groups
+
+
 def is_group(key: str) -> bool:
     """``key`` names a config group (variant, hydra/launcher), whose value is a choice of config file."""
     from hydra.core.global_hydra import GlobalHydra
@@ -271,6 +274,3 @@ def is_group(key: str) -> bool:
     if loader not in _GROUPS:  # listing them reads the config search path: once per Hydra, not per override
         _GROUPS[loader] = frozenset(loader.list_groups(""))
     return "/" in key or key in _GROUPS[loader]
-
-
-_GROUPS: WeakKeyDictionary = WeakKeyDictionary()  # each config loader's top-level groups

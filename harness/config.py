@@ -53,6 +53,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_BUDGET_SHARE = 0.5  # of MemAvailable: the CPU memory budget when memory_budget_gb is null
 INT64_MAX = 2**63 - 1  # a count past it (N, B, H, D, ...) is no tensor size
 SEED_MAX = INT64_MAX  # a seed is an int64: the results' seed column; torch's generators take up to 2**64 - 1
+MIN_FREE_BYTES = 2**20  # an output directory's filesystem: less free space is refused before anything runs
 MAX_SECONDS = 7 * 24 * 3600  # a time option: a week is past any job; 1e14 s overflows a transfer's timedelta
 
 
@@ -351,6 +352,7 @@ def check_output_dir(path: str | Path) -> None:
     traceback). Tried for real: a file is created and removed in the nearest existing ancestor, since
     permissions alone do not tell (root ignores them; a read-only filesystem refuses everyone)."""
     import os
+    import shutil
     import tempfile
 
     path = Path(path).absolute()
@@ -365,6 +367,13 @@ def check_output_dir(path: str | Path) -> None:
         os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"cannot write results to {path}: {ancestor} is not writable ({e.strerror or e})") from None
+    # The probe takes no space: a full filesystem passes it, and Hydra's first write (.hydra/config.yaml,
+    # before any of the harness's code runs) would fail with its own traceback.
+    free = shutil.disk_usage(ancestor).free
+    if free < MIN_FREE_BYTES:
+        raise ConfigError(f"cannot write results to {path}: no space left on its filesystem ({free} bytes free); "
+                          f"allowed: at least {MIN_FREE_BYTES // 2**20} MiB free (a run's configuration, status "
+                          f"and first results)")
 
 
 def variant_names() -> list[str]:

@@ -450,22 +450,42 @@ def test_a_read_only_filesystem_is_one_line_exit_2(small_fs):
     assert "not writable" in line and "Read-only file system" in line, line
 
 
-def test_a_full_disk_fails_in_one_line_keeps_what_was_written_and_resumes(small_fs):
-    out = small_fs / "D"
-    assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
-    csv_before = (out / "results.csv").read_text()
-    assert csv_before.startswith("variant,")
-    filler = small_fs / "filler"
-    with open(filler, "wb", buffering=0) as f:  # fill the filesystem to the last byte...
+def fill(fs: Path, leave: int = 0) -> Path:
+    """Fills the filesystem ``fs`` to its last byte but ``leave`` bytes, with one file (returned)."""
+    filler = fs / "filler"
+    with open(filler, "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 4096)
         except OSError:
             pass
-    os.truncate(filler, filler.stat().st_size - 3 * 4096)  # ...but three pages: the run starts, then fills it
-    proc = cli("seq_lens=[32,40,48,56,64,72,80,88]", f"hydra.run.dir={out}")
-    assert proc.returncode == 1
+    os.truncate(filler, max(0, filler.stat().st_size - leave))
+    return filler
+
+
+def test_a_full_disk_is_refused_in_one_line_before_hydra_writes(small_fs):
+    """Hydra writes .hydra/config.yaml before any of the harness's code runs: on a full filesystem that was
+    Hydra's traceback and its HYDRA_FULL_ERROR hint (the probe of a writable directory takes no space)."""
+    fill(small_fs, leave=3 * 4096)
+    proc = cli("seq_lens=[32]", f"hydra.run.dir={small_fs / 'D'}")
+    assert (proc.returncode, proc.stderr.count("\n")) == (2, 1), proc.stderr[-3000:]
     line = error_line(proc.stderr)
+    assert "no space left" in line and "allowed: at least 1 MiB free" in line, line
+    assert not (small_fs / "D").exists()
+
+
+def test_a_full_disk_fails_in_one_line_keeps_what_was_written_and_resumes(small_fs):
+    out = small_fs / "D"
+    run(compose_cfg(*TINY, "seq_lens=[32]"), output_dir=out)
+    csv_before = (out / "results.csv").read_text()
+    assert csv_before.startswith("variant,")
+    seq_lens = "seq_lens=[32,40,48,56,64,72,80,88]"
+    proc = start(seq_lens, "measure.min_run_time=0.2", f"hydra.run.dir={out}")
+    wait_for(lambda: len(lines_of(out / "results.jsonl")) >= 2, proc, "the run's first point")
+    filler = fill(small_fs)  # the run is measuring: its next write finds no space
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    line = error_line(err)
     assert "cannot write" in line and "No space left on device" in line, line
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "failed" and "No space left" in status["error"]  # never left "running"
@@ -476,7 +496,7 @@ def test_a_full_disk_fails_in_one_line_keeps_what_was_written_and_resumes(small_
     assert all(len(r) == len(rows[0]) for r in rows)
     assert parse_jsonl((out / "results.jsonl").read_text()).rows
     filler.unlink()
-    proc = cli("seq_lens=[32,40,48,56,64,72,80,88]", f"hydra.run.dir={out}")
+    proc = cli(seq_lens, f"hydra.run.dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert seq_lens_of(out) == [32, 40, 48, 56, 64, 72, 80, 88]
 
