@@ -231,7 +231,10 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
                     raise_pending_interrupt()
                     display.phase(n, phase)
 
-                def task_log(step: int, metrics: dict[str, float], n: int = seq_len) -> None:
+                # The curve's key is the length trained at: task.seq_len, where set, for every point
+                trained_at = task_config(settings, seq_len).seq_len if settings.task is not None else seq_len
+
+                def task_log(step: int, metrics: dict[str, float], n: int = trained_at) -> None:
                     raise_pending_interrupt()
                     logger.log_task_step(n, step, metrics)
                 row = run_point(attn, settings, seq_len, device, environment, budget, stop=stop, on_phase=on_phase,

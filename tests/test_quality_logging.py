@@ -145,6 +145,7 @@ def test_inputs_choose_the_distribution_and_local_inputs_keep_more_mass(tmp_path
 def test_a_bad_task_or_logger_option_is_one_line_before_anything_is_written(tmp_path):
     for args, needle in ((["task=mqar", "task.d_model=65"], "divisible"),
                          (["task=mqar", "task.num_kv_pairs=0"], "num_kv_pairs"),
+                         (["task=mqar", "task.positions=rope", "task.d_model=6"], "even head dimension"),
                          (["logger.mode=sometimes"], "allowed: online, offline, disabled"),
                          (["inputs=uniform"], "allowed: gaussian, local, peaked"),
                          (["task=nope"], "allowed: mqar, mqar_gpu, none")):
@@ -155,6 +156,21 @@ def test_a_bad_task_or_logger_option_is_one_line_before_anything_is_written(tmp_
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr, (args, lines)
         assert not out.exists()
+
+
+def test_a_training_curve_is_logged_under_the_length_trained_at(tmp_path, monkeypatch):
+    """task.seq_len=32 trains once at N=32 for every point: its curve was logged as task/N48/... (the first
+    point's N), a curve of a length never trained at."""
+    from harness.logger import RunLogger
+    from harness.run import run
+
+    logged = []
+    monkeypatch.setattr(RunLogger, "log_task_step", lambda self, n, step, metrics: logged.append((n, step)))
+    run(compose_cfg("variant=full", "seq_lens=[48,64]", "num_heads=1", "head_dim=8", "measure.passes=[]",
+                    "measure.memory=false", "fidelity.enabled=false", "logger=none", "task=mqar", "task.seq_len=32",
+                    "task.steps=2", "task.eval_every=1", "task.eval_size=8", "task.batch_size=4"), output_dir=tmp_path)
+    assert logged and {n for n, _ in logged} == {32}, logged
+    assert {r["task_seq_len"] for r in read_jsonl(tmp_path / "results.jsonl")} == {32}
 
 
 def test_non_finite_numbers_are_written_as_null_not_a_crash():

@@ -229,6 +229,15 @@ def test_the_report_never_reads_its_own_output(tmp_path, capsys):
     assert len(load_rows(tmp_path / "report")) == 2  # a report's folder given itself is read
 
 
+def test_a_peak_of_zero_has_no_ratio_and_the_report_is_whole(tmp_path):
+    """A peak within the inputs is 0 bytes (the schema allows it): the memory ratio against it raised
+    ZeroDivisionError and left the report half-written (plots, no report.html)."""
+    write_sweep(tmp_path, [[row("full", "sdpa", 32, fwd=1.0, mem=0), row("full", "sdpa", 64, fwd=2.0, mem=100)],
+                           [row("blockwise", "blocksparse", n, fwd=1.0, mem=50) for n in (32, 64)]])
+    assert report.main([str(tmp_path)]) == 0
+    assert (tmp_path / "report" / "report.html").is_file()
+
+
 def test_crossover_and_max_fitting_on_constructed_case():
     def rows_of(times, status=None):
         status = status or {}
@@ -390,6 +399,16 @@ def test_compare_status_change_is_a_regression(tmp_path):
     b = write_sweep(tmp_path / "b", [[row("full", "math", 4096, "oom")]])
     res = cli("harness.report.compare", a, b, "--fail-on-regression")
     assert res.returncode == 1 and "ok -> oom" in res.stdout
+
+
+def test_compare_refuses_a_side_with_a_point_on_two_devices(tmp_path):
+    """Points match across devices (a CPU run against a GPU run): A's cpu row of a point was dropped without
+    a word for its cuda row, and B's cpu row judged against that."""
+    a = write_sweep(tmp_path / "a", [[row("full", "sdpa", 256, fwd=10.0, mem=1)],
+                                     [row("full", "sdpa", 256, fwd=0.5, mem=1, device="cuda")]])
+    b = write_sweep(tmp_path / "b", [[row("full", "sdpa", 256, fwd=10.2, mem=1)]])
+    res = cli("harness.report.compare", a, b)
+    _one_line_error(res, "A holds the same points on several devices (cpu, cuda)", "allowed: one device per side")
 
 
 # ----- bad input ---------------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ def test_validation_names_the_numbers():
     ({"lr": 0.0}, "lr must be a finite number > 0"),
     ({"steps": 0}, "steps must be an integer >= 1"),
     ({"positions": "alibi"}, "unknown positions 'alibi'"),
+    ({"positions": "rope", "d_model": 6, "n_heads": 2}, "positions=rope needs an even head dimension"),  # ran, q != v
     ({"short_conv": -1}, "short_conv must be an integer >= 0"),
 ])
 def test_bad_configs_fail_with_one_line(bad, match):

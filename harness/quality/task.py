@@ -85,6 +85,11 @@ class MQARConfig:
             raise ValueError(f"mqar config: d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if self.positions not in POSITIONS:
             raise ValueError(f"mqar config: unknown positions {self.positions!r}; allowed: {', '.join(POSITIONS)}")
+        head_dim = self.d_model // self.n_heads
+        if self.positions == "rope" and head_dim % 2:  # RoPE rotates pairs of a head's dimensions
+            raise ValueError(f"mqar config: positions=rope needs an even head dimension d_model/n_heads; got "
+                             f"{self.d_model}/{self.n_heads} = {head_dim}; allowed: an even d_model/n_heads, or "
+                             f"positions {', '.join(p for p in POSITIONS if p != 'rope')}")
         validate(self.seq_len, self.vocab_size, self.num_kv_pairs, self.num_queries)
 
     @classmethod

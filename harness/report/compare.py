@@ -4,7 +4,8 @@
 
 A and B are run/sweep directories or results .jsonl/.csv files. Points match on their identity
 (variant, backend, options, seq_len, shape, dtype, causal, seed, inputs, fidelity batch, task), not on the
-device, so a CPU run can be set against a GPU run (the devices are printed). For each matched point and metric: A, B
+device, so a CPU run can be set against a GPU run (the devices are printed; a side holding a point on two
+devices is refused). For each matched point and metric: A, B
 and B/A. A regression is B/A > 1 + threshold for lower-is-better metrics (times, memory, errors), B/A <
 1 - threshold for higher-is-better ones (throughput, accuracy, mass kept), or a point ok in A that is
 not ok in B. For a time, the change must also clear the noise: the interquartile intervals of A and B
@@ -81,7 +82,7 @@ def judge(metric: str, ra: dict, rb: dict, threshold: float) -> tuple[float | No
 def compare(rows_a: list[dict], rows_b: list[dict], metrics: list[str], threshold: float) -> dict[str, Any]:
     """{'table': [[series, N, per metric: A, B, B/A, flag]...], 'regressions': points regressed,
     'noisy': points noisy in A or B, 'only_a' / 'only_b': unmatched points}."""
-    a = {compare_key(r): r for r in rows_a}  # last wins if A holds the same point on two devices
+    a = {compare_key(r): r for r in rows_a}  # one device per side (main refuses more)
     b = {compare_key(r): r for r in rows_b}
     # Label series without the device, so a point of A and its match in B share a label.
     labels = series_labels(series_key(r)._replace(device=None) for r in [*rows_a, *rows_b])
@@ -147,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(f"--threshold must be a finite number >= 0 (a relative change: 0.10 is 10%); "
                              f"got {args.threshold}")
         rows_a, rows_b = load_rows(args.a), load_rows(args.b)
+        for side, rows in (("A", rows_a), ("B", rows_b)):  # points match across devices: one per side
+            devices: dict[tuple, set[str]] = {}
+            for r in rows:
+                devices.setdefault(compare_key(r), set()).add(str(r.get("device")))
+            several = sorted({d for ds in devices.values() if len(ds) > 1 for d in ds})
+            if several:
+                raise InputError(f"{side} holds the same points on several devices ({', '.join(several)}); allowed: "
+                                 f"one device per side (a run's directory or file of one device)")
         unknown = [m for m in metrics if not any(m in r for r in [*rows_a, *rows_b])]
         if unknown:
             raise InputError(f"--metric: {', '.join(unknown)} in neither A nor B")

@@ -260,7 +260,7 @@ def ratio_plot(groups: dict[Series, Rows], labels: dict[Series, str], colours: d
             if v is not None and n in ref:
                 if ref[n] is None:
                     full_failed.append(n)
-                elif v > 0:
+                elif v > 0 and ref[n] > 0:  # a zero (a peak within the inputs) has no ratio
                     pts.append((n, ref[n] / v if speedup else v / ref[n], False))
         _line(ax, pts, colours[s], labels[s])
         if full_failed:
