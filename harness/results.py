@@ -488,12 +488,13 @@ REPORT_DIR = "report"  # harness.report's output folder, by default, inside the 
 
 
 def report_output(file: Path, root: Path) -> bool:
-    """Whether ``file``, found under ``root``, is harness.report's own output, never its input: inside a
-    folder named ``report`` below ``root`` (its default ``--out``) or beside a report.html (another
-    ``--out``). A report folder given as ``root`` itself is read."""
+    """Whether ``file``, found under ``root``, is harness.report's own output, never its input: a
+    results.csv (the one results file it writes) inside a folder named ``report`` below ``root`` (its
+    default ``--out``) or beside a report.html (another ``--out``). A report folder given as ``root`` itself
+    is read; a run's results.jsonl is read wherever it is, a folder named ``report`` too."""
     parent = Path(file).parent
-    return parent != Path(root) and (REPORT_DIR in parent.relative_to(root).parts
-                                     or (parent / "report.html").exists())
+    return Path(file).name == "results.csv" and parent != Path(root) and (
+        REPORT_DIR in parent.relative_to(root).parts or (parent / "report.html").exists())
 
 
 def result_files(path: str | Path) -> list[Path]:

@@ -229,6 +229,15 @@ def test_the_report_never_reads_its_own_output(tmp_path, capsys):
     assert len(load_rows(tmp_path / "report")) == 2  # a report's folder given itself is read
 
 
+def test_a_run_in_a_folder_named_report_is_read(tmp_path):
+    """Only a report's results.csv is its output: a run's results.jsonl in a folder named report was left
+    out without a word."""
+    for name, variant in (("report", "full"), ("other", "linear")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.jsonl").write_text(json.dumps(row(variant, "math", 64, fwd=1.0, mem=1)) + "\n")
+    assert sorted(r["variant"] for r in load_rows(tmp_path)) == ["full", "linear"]
+
+
 def test_a_peak_of_zero_has_no_ratio_and_the_report_is_whole(tmp_path):
     """A peak within the inputs is 0 bytes (the schema allows it): the memory ratio against it raised
     ZeroDivisionError and left the report half-written (plots, no report.html)."""
