@@ -410,6 +410,15 @@ def test_compare_status_change_is_a_regression(tmp_path):
     assert res.returncode == 1 and "ok -> oom" in res.stdout
 
 
+def test_a_throughput_change_within_its_times_noise_is_within_noise(tmp_path):
+    """tflops_fwd is flops / fwd_ms: a change the time's interquartile intervals do not clear is within
+    noise for both (the throughput was flagged a regression while its own time was within noise)."""
+    a = write_sweep(tmp_path / "a", [[row("full", "sdpa", 256, fwd=10.0, mem=1, fwd_iqr_ms=4.0, tflops_fwd=1.2)]])
+    b = write_sweep(tmp_path / "b", [[row("full", "sdpa", 256, fwd=12.0, mem=1, fwd_iqr_ms=2.0, tflops_fwd=1.0)]])
+    res = cli("harness.report.compare", a, b, "--metric", "fwd_ms,tflops_fwd", "--fail-on-regression")
+    assert res.returncode == 0 and res.stdout.count("within noise") == 2, res.stdout
+
+
 def test_compare_refuses_a_side_with_a_point_on_two_devices(tmp_path):
     """Points match across devices (a CPU run against a GPU run): A's cpu row of a point was dropped without
     a word for its cuda row, and B's cpu row judged against that."""

@@ -5,11 +5,11 @@
 A and B are run/sweep directories or results .jsonl/.csv files. Points match on their identity
 (variant, backend, options, seq_len, shape, dtype, causal, seed, inputs, fidelity batch, task), not on the
 device, so a CPU run can be set against a GPU run (the devices are printed; a side holding a point on two
-devices is refused). For each matched point and metric: A, B
-and B/A. A regression is B/A > 1 + threshold for lower-is-better metrics (times, memory, errors), B/A <
-1 - threshold for higher-is-better ones (throughput, accuracy, mass kept), or a point ok in A that is
-not ok in B. For a time, the change must also clear the noise: the interquartile intervals of A and B
-(median ± IQR/2) must not overlap, else it is "within noise". A point noisy in A or B (its timings
+devices is refused). For each matched point and metric: A, B and B/A. A regression is B/A > 1 + threshold
+for lower-is-better metrics (times, memory, errors), B/A < 1 - threshold for higher-is-better ones
+(throughput, accuracy, mass kept), or a point ok in A that is not ok in B. For a time (and a throughput,
+by the time it is computed from), the change must also clear the noise: the interquartile intervals of A
+and B (median ± IQR/2) must not overlap, else it is "within noise". A point noisy in A or B (its timings
 cannot be trusted) is not judged on its times: it is listed apart. Exit status: 1 on a regression with
 --fail-on-regression, else 0; 2 on bad input.
 """
@@ -41,7 +41,10 @@ def _fmt(metric: str, v: float | None) -> str:
 
 
 def _interval(row: dict, metric: str) -> tuple[float, float] | None:
-    """(median − IQR/2, median + IQR/2) of a time metric; None for metrics without a spread."""
+    """(median − IQR/2, median + IQR/2) of a time metric, or of the time a throughput is computed from
+    (tflops_<pass>[_useful]: the same measurement, the same noise); None for metrics without a spread."""
+    if metric.startswith("tflops_"):
+        metric = metric.removeprefix("tflops_").removesuffix("_useful") + "_ms"
     if not metric.endswith("_ms"):
         return None
     median, iqr = number(row.get(metric)), number(row.get(metric.removesuffix("_ms") + "_iqr_ms"))
