@@ -54,16 +54,20 @@ def sweep_group_name(sweep_dir: str | Path) -> str:
     return "/".join(path.parts[-2:])
 
 
-def jobs_group(sweep_dir: Path) -> str | None:
-    """The wandb group the sweep's jobs logged to when one set ``logger.group`` (read from the jobs'
-    .hydra/config.yaml); None when none did (their group is then ``sweep_group_name(sweep_dir)``)."""
+def jobs_logger(sweep_dir: Path) -> dict[str, str]:
+    """Where the sweep's wandb jobs logged: the ``logger.group``, ``.project`` and ``.entity`` they set
+    (read from their .hydra/config.yaml), each key left out where no job set it (the group is then
+    ``sweep_group_name(sweep_dir)``). The report's wandb run and the dashboard go there too."""
     from omegaconf import OmegaConf
 
+    found: dict[str, str] = {}
     for config in sorted(Path(sweep_dir).glob("*/.hydra/config.yaml")):
         logger = OmegaConf.to_container(OmegaConf.load(config)).get("logger") or {}
-        if logger.get("name", "wandb") == "wandb" and logger.get("group"):
-            return str(logger["group"])
-    return None
+        if logger.get("name", "wandb") == "wandb":
+            for key in ("group", "project", "entity"):
+                if logger.get(key) and key not in found:
+                    found[key] = str(logger[key])
+    return found
 
 
 def has_credentials() -> bool:

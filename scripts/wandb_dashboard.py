@@ -72,19 +72,20 @@ def logger_defaults() -> dict[str, Any]:
         return {}
 
 
-def group_from_dir(sweep_dir: Path) -> str:
-    """The wandb group the jobs under sweep_dir logged to: logger.group when set, else the sweep's
-    group name (harness.logger.sweep_group_name, as harness.run gives it)."""
+def jobs_from_dir(sweep_dir: Path) -> dict[str, str]:
+    """Where the jobs under sweep_dir logged: their group (logger.group when set, else the sweep's group
+    name, harness.logger.sweep_group_name, as harness.run gives it) and the project and entity they set."""
     from omegaconf import OmegaConf
 
-    from harness.logger import jobs_group, sweep_group_name
+    from harness.logger import jobs_logger, sweep_group_name
 
     configs = sorted(sweep_dir.glob("*/.hydra/config.yaml"))
     if not configs:
         raise Failure(f"{sweep_dir}: no sweep jobs (*/.hydra/config.yaml) here; pass the wandb group name")
     if all((OmegaConf.load(c).get("logger") or {}).get("name", "wandb") != "wandb" for c in configs):
         raise Failure(f"{sweep_dir}: its jobs ran without wandb (logger=none); nothing to chart")
-    return jobs_group(sweep_dir) or sweep_group_name(sweep_dir)
+    jobs = jobs_logger(sweep_dir)
+    return {**jobs, "group": jobs.get("group") or sweep_group_name(sweep_dir)}
 
 
 def literal(text: str) -> str:
@@ -147,9 +148,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                 formatter_class=argparse.RawDescriptionHelpFormatter), PROG)
     p.add_argument("group", metavar="SWEEP_GROUP",
                    help="the sweep's wandb group (or its sweep directory, to read the group from)")
-    p.add_argument("--project", help="wandb project (default: $WANDB_PROJECT, conf/logger/wandb.yaml)")
-    p.add_argument("--entity", help="wandb entity (default: $WANDB_ENTITY, conf/logger/wandb.yaml, "
-                                    "your default entity)")
+    p.add_argument("--project", help="wandb project (default: the jobs' logger.project where SWEEP_GROUP is their "
+                                     "directory, else $WANDB_PROJECT, conf/logger/wandb.yaml)")
+    p.add_argument("--entity", help="wandb entity (default: the jobs' logger.entity where SWEEP_GROUP is their "
+                                    "directory, else $WANDB_ENTITY, conf/logger/wandb.yaml, your default entity)")
     p.add_argument("--title", help="report title (default: 'attention sweep <group's last part>')")
     p.add_argument("--group-by", action="append", metavar="KEY",
                    help=f"run key to draw one line per value of, repeatable (default {DEFAULT_GROUP_BY}; "
@@ -175,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
             raise Failure(f"cannot import wandb-workspaces: {e}") from None
         raise Failure(f"needs the wandb-workspaces package: {INSTALL}") from None
 
-    group = args.group
-    if Path(group).is_dir():
-        group = group_from_dir(Path(group))
+    group, jobs = args.group, {}
+    if Path(group).is_dir():  # the jobs' own project and entity come before the defaults
+        jobs = jobs_from_dir(Path(group))
+        group = jobs["group"]
     defaults = logger_defaults()
-    project = args.project or os.environ.get("WANDB_PROJECT") or defaults.get("project") or DEFAULT_PROJECT
-    entity = args.entity or os.environ.get("WANDB_ENTITY") or defaults.get("entity")
+    project = (args.project or jobs.get("project") or os.environ.get("WANDB_PROJECT") or defaults.get("project")
+               or DEFAULT_PROJECT)
+    entity = args.entity or jobs.get("entity") or os.environ.get("WANDB_ENTITY") or defaults.get("entity")
     title = args.title or f"attention sweep {Path(group.rstrip('/')).name or group}"
     group_by = args.group_by or [DEFAULT_GROUP_BY]
 

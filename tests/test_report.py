@@ -347,6 +347,8 @@ def test_report_wandb_logs_plots_and_tables_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     sweep = write_sweep(tmp_path / "mysweep", sweep_rows()[:1])
+    (sweep / "0" / ".hydra").mkdir()  # the job logged to a project of its own: the report's run goes there too
+    (sweep / "0" / ".hydra" / "config.yaml").write_text('logger: {name: wandb, project: myproj}\n')
     assert report.main([str(sweep), "--wandb"]) == 0
     (run,) = (sweep / "report" / "wandb").glob("offline-run-*")
     media = {p.name.split("_0_")[0] for p in (run / "files" / "media").rglob("*") if p.is_file()}
@@ -356,7 +358,7 @@ def test_report_wandb_logs_plots_and_tables_offline(tmp_path, monkeypatch):
     deadline = time.monotonic() + 60
     while b"mysweep" not in next(run.glob("*.wandb")).read_bytes() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert b"mysweep" in next(run.glob("*.wandb")).read_bytes()
+    assert b"mysweep" in next(run.glob("*.wandb")).read_bytes() and b"myproj" in next(run.glob("*.wandb")).read_bytes()
     # A second report into the same run logs after the first's step: a synced run keeps both
     state = sweep / "report" / "wandb" / "harness-run.json"
     assert json.loads(state.read_text())["next_step"] == 1

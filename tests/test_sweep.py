@@ -6,6 +6,7 @@ wandb, no network. The whole file takes about 20 s on 2 cores.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -306,16 +307,22 @@ def test_wandb_dashboard_report_outline(tmp_path):
 
 
 def test_the_group_of_a_sweeps_runs_is_logger_group_where_its_jobs_set_it(tmp_path):
-    """The report's wandb run and the dashboard go to the group the jobs logged to."""
-    from harness.logger import jobs_group, sweep_group_name
+    """The report's wandb run and the dashboard go to the group, project and entity the jobs logged to (the
+    project and entity were the defaults whatever the jobs had set)."""
+    from harness.logger import jobs_logger, sweep_group_name
 
-    for job, logger in (("0", {"name": "none"}), ("1", {"name": "wandb", "group": None})):
+    for job, logger in (("0", {"name": "none", "project": "elsewhere"}), ("1", {"name": "wandb", "group": None})):
         (tmp_path / job / ".hydra").mkdir(parents=True)
         (tmp_path / job / ".hydra" / "config.yaml").write_text(json.dumps({"logger": logger}))
-    assert jobs_group(tmp_path) is None  # the jobs' group is the sweep's name then
+    assert jobs_logger(tmp_path) == {}  # the jobs' group is the sweep's name then
     assert sweep_group_name(tmp_path) == "/".join(tmp_path.parts[-2:])
-    (tmp_path / "1" / ".hydra" / "config.yaml").write_text(json.dumps({"logger": {"name": "wandb", "group": "ab"}}))
-    assert jobs_group(tmp_path) == "ab"
+    (tmp_path / "1" / ".hydra" / "config.yaml").write_text(json.dumps(
+        {"logger": {"name": "wandb", "group": "ab", "project": "myproj", "entity": "myteam"}}))
+    assert jobs_logger(tmp_path) == {"group": "ab", "project": "myproj", "entity": "myteam"}
+    p = dashboard(str(tmp_path), "--dry-run", home=tmp_path)
+    if importlib.util.find_spec("wandb_workspaces") is not None:  # an extra: its outline where installed
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert (json.loads(p.stdout)["entity"], json.loads(p.stdout)["project"]) == ("myteam", "myproj")
 
 
 def test_a_job_refused_in_a_directory_another_job_completed_leaves_its_status_and_is_counted(tmp_path):

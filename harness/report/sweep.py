@@ -443,7 +443,7 @@ def log_wandb(out: Path, sweep: Path, images: dict[str, Path], rows: Rows, table
     """The same plots (wandb.Image) and tables (wandb.Table) in one wandb run of the sweep's group."""
     import wandb
 
-    from harness.logger import LoggerConfig, jobs_group, sweep_group_name, wandb_run
+    from harness.logger import LoggerConfig, jobs_logger, sweep_group_name, wandb_run
 
     def cell(v: Any) -> Any:
         return v if v is None or isinstance(v, (int, float, str, bool)) else str(v)
@@ -454,8 +454,10 @@ def log_wandb(out: Path, sweep: Path, images: dict[str, Path], rows: Rows, table
     for key, (_, head, body) in tables.items():
         payload[f"table/{key}"] = wandb.Table(columns=head, data=[[_fmt(c) for c in row] for row in body])
     # wandb_run: `with wandb.init(...) as run`, mode from WANDB_MODE / credentials, falls back offline.
-    group = jobs_group(sweep) or sweep_group_name(sweep)  # the jobs' group: logger.group where they set it
-    with wandb_run(LoggerConfig(), out, config={"sweep_dir": str(sweep.resolve())}, name=f"report-{group}",
+    jobs = jobs_logger(sweep)  # where the jobs logged: their logger.group, project and entity where set
+    group = jobs.get("group") or sweep_group_name(sweep)
+    where = LoggerConfig(**{k: v for k, v in jobs.items() if k in ("project", "entity")})
+    with wandb_run(where, out, config={"sweep_dir": str(sweep.resolve())}, name=f"report-{group}",
                    group=group, tags=["report"]) as logger:
         logger.log(payload)  # after the steps of an earlier report into the same run
 
