@@ -541,6 +541,15 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
         rows += found
     if not rows:
         raise InputError(f"{path}: no result rows found" + (f" ({notices[0]})" if notices else ""))
+    if Path(path).is_dir() and all(f.name == "results.jsonl" for f in result_files(path)):
+        # the jsonl files are read, so a results.csv with no jsonl beside it is not: a table combined from
+        # others (bench_cpu's), or the only file of a run
+        unread = sorted(f for f in Path(path).rglob("results.csv")
+                        if not (f.parent / "results.jsonl").exists() and not report_output(f, path))
+        if unread:
+            notices.append(f"{path}: {len(unread)} results.csv without a results.jsonl beside it not read (e.g. "
+                           f"{unread[0]}): the results.jsonl files here are; give the report such a "
+                           f"directory on its own to read its results.csv")
     for notice in notices:
         warn(notice)
     points = latest(rows)

@@ -238,6 +238,17 @@ def test_a_run_in_a_folder_named_report_is_read(tmp_path):
     assert sorted(r["variant"] for r in load_rows(tmp_path)) == ["full", "linear"]
 
 
+def test_a_results_csv_left_unread_beside_results_jsonl_files_is_said(tmp_path):
+    """A directory tree with results.jsonl files is read through them: a results.csv without a jsonl beside
+    it (a combined table, an old run's only file) is not read, and that was not said."""
+    write_sweep(tmp_path, [[row("full", "sdpa", 64, fwd=1.0)]])
+    write_csv_sweep(tmp_path / "old", [row("linear", "math", 64, fwd=1.0)])
+    said = []
+    assert [r["variant"] for r in load_rows(tmp_path, warn=said.append)] == ["full"]
+    assert len(said) == 1 and "1 results.csv without a results.jsonl beside it not read" in said[0], said
+    assert str(tmp_path / "old" / "results.csv") in said[0]
+
+
 def test_a_peak_of_zero_has_no_ratio_and_the_report_is_whole(tmp_path):
     """A peak within the inputs is 0 bytes (the schema allows it): the memory ratio against it raised
     ZeroDivisionError and left the report half-written (plots, no report.html)."""
