@@ -414,6 +414,7 @@ def test_compare_passes_within_threshold_change(ab):
     res = cli("harness.report.compare", a / "0" / "results.jsonl", regressed / "0" / "results.jsonl",
               "--threshold", "0.5", "--fail-on-regression")
     assert res.returncode == 0, res.stdout
+    assert "threshold 0.5%" in cli("harness.report.compare", a, within, "--threshold", "0.005").stdout  # was 0%
 
 
 def test_compare_status_change_is_a_regression(tmp_path):
@@ -465,7 +466,8 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     good = write_sweep(tmp_path / "good", [[row("full", "sdpa", 256, fwd=1.0, mem=1)]])
     _one_line_error(cli("harness.report.compare", tmp_path / "missing", good), "missing")
     _one_line_error(cli("harness.report.compare", good, tmp_path / "empty"), "no results")
-    _one_line_error(cli("harness.report.compare", good, good, "--metric", "nonsense_ms"), "nonsense_ms")
+    _one_line_error(cli("harness.report.compare", good, good, "--metric", "nonsense_ms"), "nonsense_ms",
+                    "allowed: a numeric field of the results, e.g. fwd_ms")
     _one_line_error(cli("harness.report", good, "--fit-from", "4K"), "--fit-from", "'4K'")
     _one_line_error(cli("harness.report", good, "--no-such-option"), "--no-such-option")  # argparse's, in one line
     assert not (good / "report").exists()

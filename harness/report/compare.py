@@ -145,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     metrics = [m.strip() for m in args.metric.split(",") if m.strip()]
     try:
+        examples = "e.g. fwd_ms, bwd_ms, fwd_bwd_ms, peak_mem_bytes, tflops_fwd, out_rel_err, task_accuracy"
         if not metrics:
-            raise InputError("--metric: no metric given")
+            raise InputError(f"--metric: no metric given; allowed: a numeric field of the results, {examples}")
         if not math.isfinite(args.threshold) or args.threshold < 0:  # nan and inf would never flag a regression
             raise InputError(f"--threshold must be a finite number >= 0 (a relative change: 0.10 is 10%); "
                              f"got {args.threshold}")
@@ -161,13 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                                  f"one device per side (a run's directory or file of one device)")
         unknown = [m for m in metrics if not any(m in r for r in [*rows_a, *rows_b])]
         if unknown:
-            raise InputError(f"--metric: {', '.join(unknown)} in neither A nor B")
+            raise InputError(f"--metric: {', '.join(unknown)} in neither A nor B; allowed: a numeric field of the "
+                             f"results, {examples}")
         # A metric is a number: a field of numbers (by the schema) or a column holding one
         text = [m for m in metrics if not numeric(m) and all(number(r.get(m)) is None for r in [*rows_a, *rows_b])]
         if text:
             raise InputError(f"--metric: {', '.join(text)} is no measured number; allowed: a numeric field of "
-                             f"the results, e.g. fwd_ms, bwd_ms, fwd_bwd_ms, peak_mem_bytes, tflops_fwd, out_rel_err, "
-                             f"task_accuracy")
+                             f"the results, {examples}")
     except InputError as err:
         print(f"compare: error: {err}", file=sys.stderr)
         return 2
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     result = compare(rows_a, rows_b, metrics, args.threshold)
     print(f"A (baseline):  {args.a}  [{len(rows_a)} points; {_devices(rows_a)}]")
     print(f"B (candidate): {args.b}  [{len(rows_b)} points; {_devices(rows_b)}]")
-    print(f"threshold {args.threshold:.0%}; ratio = B/A\n")
+    print(f"threshold {args.threshold * 100:g}%; ratio = B/A\n")  # 0.005: 0.5%, not 0%
     head = ["series", "N"] + [f"{m} {c}" if c else "" for m in metrics for c in ("A", "B", "B/A", "")]
     if result["table"]:
         _print_table(head, result["table"])
