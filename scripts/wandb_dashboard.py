@@ -159,7 +159,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="print an outline of the report (JSON) instead of saving it; no credentials "
                         "or network needed")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.group.strip():  # "" is a directory (the current one), and no group's name
+        p.error("SWEEP_GROUP is empty; allowed: the sweep's wandb group or its sweep directory")
+    if any(not key.strip() for key in args.group_by or []):
+        p.error("--group-by is empty; allowed: a run key, e.g. variant_label or config.variant_name")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

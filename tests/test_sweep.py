@@ -275,6 +275,10 @@ def test_wandb_dashboard_without_credentials_is_one_line(tmp_path):
     missing = dashboard(home=tmp_path)  # no SWEEP_GROUP: argparse's refusal, one line too
     assert missing.returncode == 2 and lines(missing) == [
         "wandb_dashboard: error: the following arguments are required: SWEEP_GROUP; see --help"], missing.stderr
+    for args, what in ((["", "--dry-run"], "SWEEP_GROUP is empty"), (["g", "--group-by", " ", "--dry-run"],
+                                                                    "--group-by is empty")):
+        p = dashboard(*args, home=tmp_path)  # "" was read as the current directory; "" as a run key
+        assert p.returncode == 2 and len(lines(p)) == 1 and what in lines(p)[0], p.stderr
 
 
 def test_wandb_dashboard_report_outline(tmp_path):
