@@ -249,6 +249,12 @@ def test_a_results_csv_left_unread_beside_results_jsonl_files_is_said(tmp_path):
     assert str(tmp_path / "old" / "results.csv") in said[0]
 
 
+def test_every_series_has_a_colour_of_its_own_past_twenty():
+    """tab20's colours repeated from the 21st series (results/quality has 55): two series drawn alike."""
+    labels = {i: f"s{i:02d}" for i in range(55)}
+    assert len(set(report.series_colours(labels).values())) == 55
+
+
 def test_a_peak_of_zero_has_no_ratio_and_the_report_is_whole(tmp_path):
     """A peak within the inputs is 0 bytes (the schema allows it): the memory ratio against it raised
     ZeroDivisionError and left the report half-written (plots, no report.html)."""

@@ -151,10 +151,13 @@ def _ref_key(s: Series) -> tuple:
 # ----- plots ---------------------------------------------------------------------------------------
 
 def series_colours(labels: dict[Series, str]) -> dict[Series, Any]:
-    """One colour per series, the same in every figure (assigned in label order)."""
+    """One colour per series, the same in every figure (assigned in label order): tab10 or tab20, and past
+    20 series as many colours spread over a continuous colour map (tab20's would repeat)."""
     import matplotlib
 
-    palette = matplotlib.colormaps["tab10" if len(labels) <= 10 else "tab20"].colors
+    n = len(labels)
+    palette = (matplotlib.colormaps["tab10" if n <= 10 else "tab20"].colors if n <= 20 else
+               [matplotlib.colormaps["turbo"](i / (n - 1)) for i in range(n)])
     return {s: palette[i % len(palette)] for i, s in enumerate(sorted(labels, key=labels.get))}
 
 
