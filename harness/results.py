@@ -523,7 +523,8 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
     notices: list[str] = []
     files_of: dict[tuple, list[Path]] = {}  # point -> the files holding a row of it
     machines_of: dict[tuple, set[tuple]] = {}  # point -> the machines its timed rows were measured on
-    for file in result_files(path):
+    files = result_files(path)
+    for file in files:
         try:
             contents = (parse_jsonl if file.suffix == ".jsonl" else parse_csv)(read_text(file))
         except (OSError, csv.Error) as err:
@@ -541,7 +542,7 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
         rows += found
     if not rows:
         raise InputError(f"{path}: no result rows found" + (f" ({notices[0]})" if notices else ""))
-    if Path(path).is_dir() and all(f.name == "results.jsonl" for f in result_files(path)):
+    if Path(path).is_dir() and all(f.name == "results.jsonl" for f in files):
         # the jsonl files are read, so a results.csv with no jsonl beside it is not: a table combined from
         # others (bench_cpu's), or the only file of a run
         unread = sorted(f for f in Path(path).rglob("results.csv")

@@ -205,7 +205,8 @@ def test_a_regression_needs_the_threshold_and_separate_iqr_intervals():
 
 def test_every_throughput_is_higher_is_better_and_not_judged_from_noisy_timings():
     a = point(1024, fwd_bwd_ms=10.0, tflops_fwd=1.0, tflops_fwd_bwd=1.0, tflops_fwd_useful=1.0, out_rel_err=0.0)
-    faster = {**a, "fwd_bwd_ms": 5.0, "tflops_fwd": 2.0, "tflops_fwd_bwd": 2.0, "tflops_fwd_useful": 2.0}
+    faster = {**a, "fwd_ms": a["fwd_ms"] / 2, "fwd_bwd_ms": 5.0, "tflops_fwd": 2.0, "tflops_fwd_bwd": 2.0,
+              "tflops_fwd_useful": 2.0}  # twice the throughput: half the time it is computed from
     for metric in ("tflops_fwd", "tflops_fwd_bwd", "tflops_fwd_useful"):
         assert judge(metric, a, faster, 0.1)[1] == "better", metric
         assert judge(metric, faster, a, 0.1)[1] == "REGRESSION", metric
