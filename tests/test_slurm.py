@@ -139,7 +139,7 @@ def test_cancelled_and_failed_jobs_are_said_and_the_same_command_resumes(cluster
     only what is missing: every point exactly once, the earlier rows untouched."""
     sweep_dir = tmp_path / "sweep"
     seq_lens = [32, 64, 128, 256]
-    args = ["variant=full,linear", f"seq_lens=[{','.join(map(str, seq_lens))}]", "measure.min_run_time=0.5",
+    args = ["variant=full,linear", f"seq_lens=[{','.join(map(str, seq_lens))}]", "measure.min_run_time=0.3",
             f"hydra.sweep.dir={sweep_dir}"]
     p = sweep(cluster, *args)
     signalled: set[str] = set()
