@@ -397,7 +397,10 @@ class MaskedAttention(Attention):
 
     # What a subclass defines ------------------------------------------------------------------------
     def engine_block_size(self, seq_len: int) -> int:
-        raise NotImplementedError
+        """The block size the engine tiles with: the options' ``block_size`` (sparse, blockwise) unless a
+        subclass chooses its own. A block past N is the whole sequence: one block of N rows, not b (padded
+        to b, a call would cost b² per head, and its (b, b) patterns b² bytes: gigabytes for N=32 at b=10^5)."""
+        return min(self.options.block_size, seq_len)
 
     def layout(self, seq_len: int, causal: bool) -> Tensor:
         """(nb, nb) bool at ``engine_block_size``: key blocks holding any allowed pair (causal not applied)."""

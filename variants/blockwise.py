@@ -50,11 +50,6 @@ class Blockwise(MaskedAttention):
         return self.options.mode == "exact"
 
     # local: the shared block-sparse engine on the diagonal layout.
-    def engine_block_size(self, seq_len: int) -> int:
-        # A block past N is the whole sequence: one block of N rows, not b (padded to b, a call would cost
-        # b² per head, and its (b, b) patterns b² bytes: gigabytes for N=32 at b=10^5)
-        return min(self.options.block_size, seq_len)
-
     def layout(self, seq_len: int, causal: bool) -> Tensor:
         nb = num_blocks(seq_len, self.engine_block_size(seq_len))
         return local_layout(nb) if self.options.mode == "local" else torch.ones(nb, nb, dtype=torch.bool)
