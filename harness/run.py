@@ -66,10 +66,8 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> tuple[Settings, variants.At
     attn = build_variant(settings.variant)
     if settings.causal and not attn.supports_causal:
         raise VariantError(attn.causal_error())
-    available = attn.available_backends(device)
-    if attn.backend not in available:
-        raise ConfigError(f"{attn.name}: backend {attn.backend!r} needs CUDA; available on {device.type}: "
-                          f"{', '.join(available)}")
+    if (error := attn.unavailable_error(attn.backend, device)) is not None:
+        raise ConfigError(error)
     if settings.fidelity.enabled and settings.inputs == "local" and settings.head_dim % 2:
         raise ConfigError(f"inputs=local needs an even head_dim (cos/sin pairs); got head_dim={settings.head_dim}; "
                           f"allowed inputs here: gaussian, peaked")

@@ -14,12 +14,12 @@
 #   hydra-core 1.3.8, omegaconf 2.3.1, antlr4-python3-runtime 4.9.3 (PyPI has only an sdist: it is
 #   built here into a pure-python wheel), the hydra launcher plugins, wandb 0.31.0 and the part of its
 #   tree not on the machine, xformers 0.0.35.
-# xformers: 0.0.35 (the newest) declares torch>=2.10 and is a py39-none wheel that runs its attention
-#   through torch's own flash/cutlass kernels (torch.ops.aten._flash_attention_forward,
-#   _efficient_attention_forward); its _C.so (other ops) was built for torch 2.10+cu128 and links
-#   libcudart.so.12, so on torch 2.11+cu130 it may fail to load with a warning while
-#   memory_efficient_attention still runs. --torch only checks that the machine's torch meets the
-#   wheel's requirement (>= 2.10); for an older torch pick another version with XFORMERS_VERSION=...
+# xformers: 0.0.35 (the newest on PyPI) declares torch>=2.10; its extension (_C.so) was built for torch
+#   2.10+cu128. On an H100 with torch 2.11+cu130 (2026-11-26) the extension did not load, and xformers
+#   then refuses every CUDA kernel it has, its torch-backed ones too ("xFormers wasn't build with CUDA
+#   support"): the harness reports the backend unavailable there, with that reason. It runs only where
+#   torch is the build the wheel names (2.10 + CUDA 12.8). --torch only checks that the machine's torch
+#   meets the wheel's requirement (>= 2.10); pick another version with XFORMERS_VERSION=...
 # Sizes (measured 2026-11-22): 26 wheels, 27.1 MiB together (wandb 19.4 MiB, pydantic-core 2.2, xformers
 #   3.1 MiB). The script prints the total and fails if it exceeds LIMIT_MIB (default 60).
 #

@@ -239,6 +239,57 @@ def test_xformers_that_does_not_import_is_unavailable_with_its_reason(monkeypatc
     assert attempts == ["xformers.ops"]
 
 
+NO_OPERATOR = """No operator found for `memory_efficient_attention_forward` with inputs:
+     query       : shape=(1, 1, 1, 64) (torch.float16)
+     attn_bias   : <class 'NoneType'>
+`fa3F@0.0.0` is not supported because:
+    xFormers wasn't build with CUDA support
+    operator wasn't built - see `python -m xformers.info` for more info
+`cutlassF-pt` is not supported because:
+    xFormers wasn't build with CUDA support"""
+
+
+@pytest.mark.parametrize("load_failure", [True, False], ids=["extension-not-loaded", "dispatcher-reasons"])
+def test_xformers_that_runs_no_kernel_on_cuda_is_unavailable_with_its_reason(monkeypatch, load_failure):
+    """Seen on an H100 with torch 2.11+cu130: the xformers wheel (built for torch 2.10+cu128) imports, and
+    every call raises "no operator found". One probe call per device finds it; the backend is then
+    unavailable there with xformers' reason (the versions its extension was built for, else its
+    dispatcher's reasons), for every variant that offers it, and refused in one line."""
+    import sys
+
+    calls = []
+
+    def probe(xops, device):
+        calls.append(str(device))
+        raise NotImplementedError(NO_OPERATOR)
+
+    class LoadFailure(Exception):
+        def __str__(self):
+            return ("xFormers can't load C++/CUDA extensions. xFormers was built for:\n    PyTorch 2.10.0+cu128 with "
+                    "CUDA 1208 (you have 2.11.0+cu130)\n    Python  3.10.19 (you have 3.12.3)\n  Please reinstall "
+                    "xformers (see https://github.com/facebookresearch/xformers#installing-xformers)\n")
+
+    xf.xformers_ops()  # imports here (CPU torch: its extension does not load, as there)
+    monkeypatch.setattr(sys.modules["xformers._cpp_lib"], "_cpp_library_load_exception",
+                        LoadFailure() if load_failure else None)
+    monkeypatch.setattr(xf, "_probe", probe)
+    monkeypatch.setattr(xf, "_probed", {})
+    why = ("xFormers can't load C++/CUDA extensions. xFormers was built for: PyTorch 2.10.0+cu128 with CUDA 1208 "
+           "(you have 2.11.0+cu130) Python 3.10.19 (you have 3.12.3)" if load_failure else
+           "xFormers wasn't build with CUDA support; operator wasn't built - see `python -m xformers.info` for more info")
+    reason = f"backend 'xformers' runs no kernel on cuda: memory_efficient_attention raised NotImplementedError: {why}"
+    assert xf.unavailable_reason("cuda") == reason
+    assert xf.unavailable_reason() is None  # imports: on CPU it is the "needs CUDA" of every GPU backend
+    for name, options in [("full", {}), ("sliding_window", {"window": 4}), ("blockwise", {"mode": "local"})]:
+        attn = variants.build(name, **options, backend="xformers")
+        assert attn.available_backends("cuda") == [b for b in attn.backend_names() if b != "xformers"]
+        assert attn.unavailable("xformers", "cuda") == reason
+        error = attn.unavailable_error("xformers", "cuda")
+        assert error.startswith(f"{name}: {reason}; available on cuda: ") and "\n" not in error
+    assert variants.build("full").unavailable("xformers", "cpu") == "backend 'xformers' needs CUDA"
+    assert calls == ["cuda"], "probed once per device and process"
+
+
 # ----- CPU: asking for a GPU-only backend --------------------------------------------------------------
 GPU_ONLY = [(name, o, b) for name, o in [("full", {}), ("blockwise", {"mode": "exact"}), ("blockwise", {"mode": "local"}),
                                           ("sliding_window", {"window": 4}), ("sparse", {}), ("adaptive_span", {})]
@@ -388,9 +439,9 @@ def _floor(ref, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name,options,backend,N", list(gpu_params()))
 def test_gpu_backend_matches_reference(name, options, backend, N, dtype, causal):
-    if backend == "xformers" and not xf.xformers_available():
-        pytest.skip(xf.unavailable_reason())  # reported unavailable, with the reason
     attn = variants.build(name, **options, backend=backend)
+    if (reason := attn.unavailable(backend, "cuda")) is not None:
+        pytest.skip(reason)  # reported unavailable (xformers built for another torch or CUDA), with the reason
     B, H, D = 2, 4, 64
     q, k, v = qkv(B, H, N, D, dtype=dtype, seed=N, device="cuda")
     try:

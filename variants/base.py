@@ -159,8 +159,24 @@ class Attention(nn.Module):
         return out.index_select(2, back)
 
     def available_backends(self, device: torch.device | str) -> list[str]:
-        cuda = torch.device(device).type == "cuda"
-        return [b for b in self.backend_names() if cuda or not self.backends[b]]
+        return [b for b in self.backend_names() if self.unavailable(b, device) is None]
+
+    def unavailable(self, backend: str, device: torch.device | str) -> str | None:
+        """Why ``backend`` cannot run on ``device``, one line starting "backend '<name>'"; None where it
+        can. A GPU backend needs CUDA; xformers also needs kernels that run on this torch and CUDA."""
+        if self.backends[backend] and torch.device(device).type != "cuda":
+            return f"backend {backend!r} needs CUDA"
+        if backend == "xformers":
+            from .xformers_backend import unavailable_reason
+
+            return unavailable_reason(device)
+        return None
+
+    def unavailable_error(self, backend: str, device: torch.device | str) -> str | None:
+        """The one-line refusal of a backend that cannot run on ``device``, naming the ones that can."""
+        reason = self.unavailable(backend, device)
+        return None if reason is None else (f"{self.name}: {reason}; available on {torch.device(device).type}: "
+                                            f"{', '.join(self.available_backends(device))}")
 
     def mask(self, seq_len: int, causal: bool = False) -> Tensor | None:
         """Dense bool (N, N) mask of allowed (query, key) pairs: the test oracle, never the fast path."""
@@ -245,11 +261,9 @@ class Attention(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
         check_qkv(q, k, v)
         require(not causal or self.supports_causal, self.causal_error())
-        backend = self.backend
-        require(backend in self.available_backends(q.device),
-                f"{self.name}: backend {backend!r} needs CUDA; available on {q.device.type}: "
-                f"{', '.join(self.available_backends(q.device))}")
-        return self._attend(q, k, v, causal, backend)
+        error = self.unavailable_error(self.backend, q.device)
+        require(error is None, error)
+        return self._attend(q, k, v, causal, self.backend)
 
     def causal_error(self) -> str:
         return f"{self.name} does not support causal=True"

@@ -137,8 +137,6 @@ class Full(Attention):
     def _time_candidates(self, q: Tensor, causal: bool, grad: bool) -> dict[str, float | str]:
         """Median ms of each candidate (forward, plus backward when grad), with CUDA events, on fresh
         random inputs of the same shape and dtype; a candidate that cannot run maps to its error."""
-        from .xformers_backend import unavailable_reason, xformers_available
-
         device = q.device
         x = [torch.randn(q.shape, device=device, dtype=q.dtype, requires_grad=grad) for _ in range(3)]
         dout = torch.randn(q.shape, device=device, dtype=q.dtype)
@@ -146,8 +144,8 @@ class Full(Attention):
         for backend in AUTO_CANDIDATES + (AUTO_FALLBACK,):
             if backend == AUTO_FALLBACK and any(isinstance(t, float) for t in timings.values()):
                 break
-            if backend == "xformers" and not xformers_available():
-                timings[backend] = unavailable_reason()
+            if (reason := self.unavailable(backend, device)) is not None:  # xformers that runs nothing here
+                timings[backend] = reason
                 continue
 
             def step(backend=backend):

@@ -50,8 +50,8 @@ class Ulysses(SequenceParallel):
     def backend_names(self) -> list[str]:
         return self.wrapped.backend_names()
 
-    def available_backends(self, device: torch.device | str) -> list[str]:
-        return self.wrapped.available_backends(device)
+    def unavailable(self, backend: str, device: torch.device | str) -> str | None:
+        return self.wrapped.unavailable(backend, device)
 
     @property
     def backends(self) -> dict[str, bool]:

@@ -21,6 +21,7 @@ Windows are clamped to N − 1 (the same mask) to keep kernel arguments small. L
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -56,17 +57,53 @@ def xformers_ops():
     return _xops
 
 
-def unavailable_reason() -> str | None:
-    """None where xformers imports; else why not (one line)."""
+def unavailable_reason(device: torch.device | str | None = None) -> str | None:
+    """None where xformers imports and, on a CUDA ``device``, runs; else why not, one line starting
+    "backend 'xformers'". An xformers built for another torch or CUDA imports, warns that its extension
+    did not load, and then has no kernel for any input: a one-call probe per device finds that out, and
+    the backend is reported unavailable with xformers' own reason, never replaced by another kernel."""
     try:
-        xformers_ops()
+        xops = xformers_ops()
     except VariantError as err:
         return str(err)
-    return None
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    key = str(torch.device(device))
+    if key not in _probed:
+        try:
+            _probe(xops, torch.device(device))
+            _probed[key] = None
+        except Exception as err:  # NotImplementedError ("no operator found"), or a CUDA error of the kernel
+            _probed[key] = f"backend 'xformers' runs no kernel on {key}: {_why(err)}"
+    return _probed[key]
 
 
-def xformers_available() -> bool:
-    return unavailable_reason() is None
+_probed: dict[str, str | None] = {}  # device -> unavailable_reason, probed once per process
+
+
+def _probe(xops, device: torch.device) -> None:
+    """One forward call on a (1, 1, 1, 64) fp16 input, xformers' (B, N, H, D): every kernel it has takes it."""
+    q = torch.zeros(1, 1, 1, 64, device=device, dtype=torch.float16)
+    xops.memory_efficient_attention(q, q, q)
+
+
+def _why(err: Exception) -> str:
+    """xformers' reason in one line: its extension's load failure where it said one (the versions it was
+    built for), else the distinct reasons its dispatcher gave for each kernel it refused."""
+    import sys
+
+    load = getattr(sys.modules.get("xformers._cpp_lib"), "_cpp_library_load_exception", None)
+    if load is not None:  # "xFormers can't load C++/CUDA extensions. xFormers was built for: PyTorch ..."
+        text = str(load).split("Please reinstall")[0]
+    else:
+        found = re.findall(r"is not supported because:\n((?:[ \t]{4,}\S.*(?:\n|$))+)", str(err))
+        text = "; ".join(dict.fromkeys(line.strip() for block in found for line in block.splitlines() if line.strip()))
+    text = " ".join(text.split()) or (str(err).strip().splitlines() or [""])[0]
+    return f"memory_efficient_attention raised {type(err).__name__}: {text[:400]}"
+
+
+def xformers_available(device: torch.device | str | None = None) -> bool:
+    return unavailable_reason(device) is None
 
 
 # ----- biases ----------------------------------------------------------------------------------------
