@@ -376,7 +376,7 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
         flops = attn.flops(B, H, N, D, s.causal)
         rec.update(flops_fwd=flops.executed, flops_fwd_useful=flops.useful, density=attn.density(N, s.causal),
                    block_density=attn.block_density(N, s.causal),
-                   analytic_mem_bytes=attn.memory_bytes(B, H, N, D, element_size, s.causal))
+                   analytic_mem_bytes=attn.memory_bytes(B, H, N, D, element_size, s.causal, device))
         # q, k, v and the output gradient are allocated too; the analytic figure counts only the extra.
         needed = rec["analytic_mem_bytes"] + 4 * B * H * N * D * element_size
         if stop is not None:

@@ -233,11 +233,12 @@ class AdaptiveSpan(Attention):
         return Flops(executed=4 * B * H * D * self.executed_pairs(N, causal, device),
                      useful=4 * B * H * D * self.allowed_pairs(N, causal))
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
+                     device: torch.device | str | None = None) -> int:
         if self.backend == "flex":
             return element_size * B * H * 8 * N * D  # fused: O(N·D), as the other flex backends
         if self.backend == "dense":  # plus the (H, N, N) log-mask and what its graph to z keeps (measured)
-            return super().memory_bytes(B, H, N, D, element_size, causal) + (3 * element_size + 1) * H * N * N
+            return super().memory_bytes(B, H, N, D, element_size, causal, device) + (3 * element_size + 1) * H * N * N
         # Band tiles (scores, probabilities, their gradient) and the gathered keys and values with
         # their gradients (nc·L keys of D elements each).
         nc, c, L = self.band_shape(N, causal)

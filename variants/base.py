@@ -222,10 +222,12 @@ class Attention(nn.Module):
         and kept); without it such a count is the allowed pairs, the fused kernels' convention."""
         return self.allowed_pairs(seq_len, causal)
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
+                     device: torch.device | str | None = None) -> int:
         """Analytic estimate of the extra peak memory of forward+backward (q, k, v and the output
         gradient, the inputs, excluded): an upper bound of the measured CPU peak, within 1.3× of it
-        (tests/test_memory_scaling.py::test_analytic_memory_bounds_the_measured_peak)."""
+        (tests/test_memory_scaling.py::test_analytic_memory_bounds_the_measured_peak). ``device``: where it
+        runs (None: CPU), for a backend that sizes its work per device (the block-sparse engine's tiles)."""
         # Dense attention's peak is the softmax backward: the saved probabilities P, dP and dS (three
         # score-sized tensors) beside the output and dV (two N×D); dq and dk come after it. Measured
         # exactly so (tests/test_harness.py). Plus the bool mask the dense path saves (masked_fill keeps

@@ -10,11 +10,12 @@ algorithm over the allowed blocks, vectorised over query blocks (no Python loop 
   once and multiplied with all its query rows in one matmul. Otherwise each query block gathers its
   own key blocks. Partly allowed block pairs get an element mask from a small table of distinct
   (b × b) patterns (a band has a handful), so no mask is rebuilt per call.
+  A tile is sized per device type (``tile_elements``): cache-sized on CPU, launch-amortising on a GPU.
 - The forward keeps a running max and sum per row (online softmax) and saves only the output and the
   log-sum-exp; the backward recomputes each tile's probabilities from them (FlashAttention-2's
   backward). A variant whose rows see a bounded number of keys (a band) may keep the probability tiles
   instead (``save_probabilities``): memory O(N·band), the backward spared the recomputation. A tile's
-  scores hold at most ``TILE_ELEMENTS`` elements, and so do a gathered chunk's copies of its keys and
+  scores hold at most ``tile_elements(device)`` elements, and so do a gathered chunk's copies of its keys and
   values together (query rows are split to fit); no two tiles are alive at once. Peak memory is O(N·D)
   plus a few tiles, forward and backward, whatever the number of key blocks per row; time follows the
   computed blocks.
@@ -45,6 +46,11 @@ from .masks import Predicate, causal_allowed, causal_blocks, dense_mask, layout_
 FUSED_BACKENDS = ("flex", "xformers")  # GPU kernels that tile internally: no gathered blocks in memory
 TILE_KEYS = 128  # keys per chunk (rounded to whole blocks): small tiles stay in cache between passes
 TILE_ELEMENTS = 1 << 19  # most elements in a tile's scores, and in its gathered keys and values together
+# On a GPU a tile costs about thirty kernel launches whatever its size, and CPU-sized tiles left the engine
+# launch-bound: 1268 tiles for sliding_window at N=16384 (B=16, H=8) took 1.07 s forward+backward on an
+# H100, FlexAttention 5.4 ms. A GPU tile of 2^26 float32 scores (256 MiB; the loop holds about four such
+# tensors) is still a constant beside O(N·D), and far larger than the launches it amortises.
+CUDA_TILE_ELEMENTS = 1 << 26
 PATTERN_BATCH = 256  # block pairs whose element masks are evaluated at once when planning (≤ 1M elements for b=64)
 ALLOWED, EMPTY = 0, 1  # pattern ids of a wholly allowed and a wholly masked block pair
 LOG2E = math.log2(math.e)  # scores in base 2: exp2 is ~2.6x cheaper than exp per element in torch on CPU
@@ -193,7 +199,7 @@ class BlockSparseAttention(torch.autograd.Function):
         o = torch.zeros_like(qb)  # (B, H, nb, b, D) unnormalised output
         m = torch.full(qb.shape[:-1] + (1,), torch.finfo(acc).min, dtype=acc, device=q.device)  # running max (base 2)
         l = torch.zeros_like(m)  # running sum of 2^(s - m)
-        for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb, scale * LOG2E):
+        for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb, scale * LOG2E, tile_elements(q.device)):
             s = _scores(qb, kc, ch, p0, p1, patterns)  # (B, H, r, b, C), log2(e)·q·k/√D
             m_tile = s.amax(dim=-1, keepdim=True)
             o_r, l_r, m_r = o[:, :, p0:p1], l[:, :, p0:p1], m[:, :, p0:p1]  # views: updated in place
@@ -227,7 +233,7 @@ class BlockSparseAttention(torch.autograd.Function):
         chunks, patterns = plan.on(q.device)
         dq, dk, dv = torch.zeros_like(qb), torch.zeros_like(kb), torch.zeros_like(vb)
         probs = iter(ctx.probs) if ctx.probs is not None else None
-        for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb, scale * LOG2E):
+        for ch, p0, p1, kc, vc in _tiles(chunks, qb, kb, vb, scale * LOG2E, tile_elements(q.device)):
             if probs is None:  # recomputed
                 p = _scores(qb, kc, ch, p0, p1, patterns).sub_(lse[:, :, p0:p1]).exp2_()
             else:  # saved under its tile's max: P = 2^(s − m) · 2^(m − lse)
@@ -258,16 +264,22 @@ def _blocks(t: Tensor, b: int, dtype: torch.dtype) -> Tensor:
     return t.unflatten(2, (-1, b))
 
 
-def _tiles(chunks, qb: Tensor, kb: Tensor, vb: Tensor, key_scale: float):
+def tile_elements(device: torch.device | str | None) -> int:
+    """The most elements of a tile's scores (and of its gathered keys and values together) on ``device``
+    (None: CPU)."""
+    return CUDA_TILE_ELEMENTS if device is not None and torch.device(device).type == "cuda" else TILE_ELEMENTS
+
+
+def _tiles(chunks, qb: Tensor, kb: Tensor, vb: Tensor, key_scale: float, tile: int):
     """Each chunk's keys (times ``key_scale``) and values, split over query blocks so that a tile's scores,
-    and its gathered keys and values together, hold at most TILE_ELEMENTS elements. Yields (chunk, p0, p1,
+    and its gathered keys and values together, hold at most ``tile`` elements. Yields (chunk, p0, p1,
     keys, values): shared keys (B, H, C, D), gathered ones (B, H, p1 - p0, C, D). The keys carry the
     scale, not the queries: a chunk's keys are few (shared) or a copy already (gathered), where scaled
     queries would be one more (B, H, N, D) tensor."""
     B, H, nb, b, D = qb.shape
     for ch in chunks:
         r0, r1 = ch.rows
-        step = rows_per_tile(ch, B * H, b, D)
+        step = rows_per_tile(ch, B * H, b, D, tile)
         if ch.shared:
             c = len(ch.keys)  # consecutive blocks are a view (decided when planning: no device sync here)
             kc, vc = ((t[:, :, ch.start:ch.start + c] if ch.start is not None else t.index_select(2, ch.keys))
@@ -281,19 +293,19 @@ def _tiles(chunks, qb: Tensor, kb: Tensor, vb: Tensor, key_scale: float):
                 yield ch, p0, p1, *_gather(kb, vb, ch.keys[p0 - r0:p1 - r0], key_scale)
 
 
-def rows_per_tile(ch: Chunk, BH: int, b: int, D: int) -> int:
-    """Query blocks per tile: at most TILE_ELEMENTS in the scores (r·b·C per batch and head) and, where
+def rows_per_tile(ch: Chunk, BH: int, b: int, D: int, tile: int) -> int:
+    """Query blocks per tile: at most ``tile`` elements in the scores (r·b·C per batch and head) and, where
     gathered, in the copies of the keys and values together (2·r·C·D: twice the scores for D = b)."""
     C = ch.keys.shape[-1] * b
-    return max(1, TILE_ELEMENTS // (BH * C * (b if ch.shared else max(b, 2 * D))))
+    return max(1, tile // (BH * C * (b if ch.shared else max(b, 2 * D))))
 
 
-def largest_tile(plan: BlockPlan, BH: int, D: int) -> tuple[int, int]:
+def largest_tile(plan: BlockPlan, BH: int, D: int, tile: int) -> tuple[int, int]:
     """Elements of the largest tile's scores and of the keys and values it copies (gathered, or shared
     ones scaled), over B·H = ``BH``: what one step of the loops below holds beside the accumulators."""
     b, scores, copied = plan.block_size, 0, 0
     for ch in plan.chunks:
-        r, C = min(rows_per_tile(ch, BH, b, D), ch.rows[1] - ch.rows[0]), ch.keys.shape[-1] * b
+        r, C = min(rows_per_tile(ch, BH, b, D, tile), ch.rows[1] - ch.rows[0]), ch.keys.shape[-1] * b
         scores = max(scores, BH * r * b * C)
         copied = max(copied, BH * C * D * (1 if ch.start is not None else 2) if ch.shared else 2 * BH * r * C * D)
     return scores, copied
@@ -454,11 +466,12 @@ class MaskedAttention(Attention):
             return self.allowed_pairs(seq_len, causal)
         return self.plan(seq_len, causal).computed_blocks * self.engine_block_size(seq_len) ** 2
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
+                     device: torch.device | str | None = None) -> int:
         if self.backend in FUSED_BACKENDS:  # fused kernels: O(N·D), as full's fused backends
             return element_size * B * H * 8 * N * D + self.reordering_bytes(B, H, N, D, element_size)
         if self.backend == "dense":
-            return super().memory_bytes(B, H, N, D, element_size, causal)
+            return super().memory_bytes(B, H, N, D, element_size, causal, device)
         # The backward's peak, O(N·D) plus one tile. a: the accumulators' element size (float32 at least).
         # Per (batch, head): the saved output and log-sum-exp, Δ, the accumulators dq, dk, dv over whole
         # blocks, and q, k, v, dO in blocks where they are cast or padded (views otherwise). Beside them,
@@ -468,7 +481,7 @@ class MaskedAttention(Attention):
         Np = -(-N // b) * b
         copies = element_size != a or Np != N
         per_head = element_size * N * D + 2 * a * Np + 3 * a * Np * D + (4 * a * Np * D if copies else 0)
-        scores, copied = largest_tile(self.plan(N, causal), BH, D)
+        scores, copied = largest_tile(self.plan(N, causal), BH, D, tile_elements(device))
         loop = a * (2 * scores + copied + copied // 2) + scores
         end = 3 * element_size * BH * N * D if copies else 0
         saved = a * BH * self.executed_pairs(N, causal) if self.save_probabilities else 0  # the probability tiles

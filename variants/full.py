@@ -64,11 +64,12 @@ class Full(Attention):
         # kernel sdpa or auto chose in the last call (the measured one, where the harness asks after it).
         return seq_len * seq_len if self.backend_ran in ("math", "sdpa_math") else self.allowed_pairs(seq_len, causal)
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
+                     device: torch.device | str | None = None) -> int:
         if self.backend == "math":
-            return super().memory_bytes(B, H, N, D, element_size, causal)  # three N×N at the peak
+            return super().memory_bytes(B, H, N, D, element_size, causal, device)  # three N×N at the peak
         if self.backend == "sdpa_math":  # the same, its scores in float32 for half inputs (SDPA's math upcasts)
-            return super().memory_bytes(B, H, N, D, max(element_size, 4), causal)
+            return super().memory_bytes(B, H, N, D, max(element_size, 4), causal, device)
         return element_size * B * H * 8 * N * D  # fused: O(N·D), log-sum-exp and gradients
 
     def mask_bytes(self, B: int, H: int, N: int, causal: bool) -> int:

@@ -74,7 +74,8 @@ class Linear(Attention):
         total = 8 * B * H * N * self.options.proj_dim * D
         return Flops(executed=total, useful=total)
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
+                     device: torch.device | str | None = None) -> int:
         k = self.options.proj_dim
         return element_size * B * H * (3 * N * k + 4 * k * D + 6 * N * D)
 

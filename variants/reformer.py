@@ -182,9 +182,10 @@ class Reformer(Attention):
         return Flops(executed=4 * B * H * D * self.executed_pairs(N, causal) + hashing,
                      useful=4 * B * H * D * self.allowed_pairs(N, causal))
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
+                     device: torch.device | str | None = None) -> int:
         if self.backend == "dense":  # plus k̂ = q/‖q‖
-            return super().memory_bytes(B, H, N, D, element_size, causal) + element_size * B * H * N * D
+            return super().memory_bytes(B, H, N, D, element_size, causal, device) + element_size * B * H * N * D
         # Per round, in sorted order: score tiles (scores, probabilities, their gradients), gathered
         # q, k̂, v windows and their gradients, plus int64 indices and O(N·D) outputs; in float32 at
         # least (the tiles of half inputs are float32).
@@ -297,7 +298,8 @@ class SharedQKFull(nn.Module):
         super().__init__()
         self.block_size = block_size
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
+                     device: torch.device | str | None = None) -> int:
         """A block's scores, probabilities and their gradient, its (R, N) mask, k̂, the output and gradients."""
         R = min(self.block_size, N)
         return element_size * B * H * (3 * R * N + 6 * N * D) + 2 * R * N

@@ -82,7 +82,8 @@ class Ring(SequenceParallel):
         return sum((qe - qs) * (ke - ks) for q_runs in runs for k_runs in runs
                    for (qs, qe, _), (ks, ke, _), _ in tiles(q_runs, k_runs, causal, self.block_size))
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
+                     device: torch.device | str | None = None) -> int:
         """Per rank: scores, probabilities and their gradients of one tile, plus about 16 shard-sized
         buffers (q, k, v in flight and their gradients and accumulators, o, dO)."""
         n = -(-N // self.options.world_size)

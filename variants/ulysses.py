@@ -95,12 +95,13 @@ class Ulysses(SequenceParallel):
         require(num_heads % P == 0, f"ulysses: num_heads={num_heads} is not divisible by world_size={P}; "
                                     f"allowed: num_heads a multiple of {P}")
 
-    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False) -> int:
+    def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
+                     device: torch.device | str | None = None) -> int:
         """Per rank: the inner variant's at H/P heads, plus the all-to-all buffers (q, k, v, o and their
         gradients in both layouts)."""
         P = self.options.world_size
         heads = max(1, H // P)
-        return (self.wrapped.memory_bytes(B, heads, N, D, element_size, causal)
+        return (self.wrapped.memory_bytes(B, heads, N, D, element_size, causal, device)
                 + element_size * B * H * -(-N // P) * D * 16)
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:

@@ -55,7 +55,7 @@ def quality(attn: variants.Attention, s: Settings, seq_len: int, device: torch.d
     if s.fidelity.enabled:
         if s.fidelity.max_seq_len is not None and seq_len > s.fidelity.max_seq_len:
             reasons.append(f"fidelity: N > fidelity.max_seq_len={s.fidelity.max_seq_len}")
-        elif budget is not None and (needed := fidelity_memory_bytes(attn, s, seq_len)) > budget:
+        elif budget is not None and (needed := fidelity_memory_bytes(attn, s, seq_len, device)) > budget:
             reasons.append(f"fidelity: analytic memory {needed / 1e9:.3g} GB (fidelity.batch_size="
                            f"{s.fidelity.batch_size}, float64 reference) exceeds the memory budget "
                            f"{budget / 1e9:.3g} GB (memory_budget_gb)")
@@ -79,14 +79,15 @@ def quality(attn: variants.Attention, s: Settings, seq_len: int, device: torch.d
     rec["quality_reason"] = "; ".join(reasons) or None
 
 
-def fidelity_memory_bytes(attn: variants.Attention, s: Settings, seq_len: int) -> int:
+def fidelity_memory_bytes(attn: variants.Attention, s: Settings, seq_len: int,
+                          device: torch.device | None = None) -> int:
     """Analytic peak of fidelity at ``fidelity.batch_size``: the larger of the variant's forward+backward
     (in the run's dtype) and its float64 exact counterpart's, beside the inputs, output and gradients of
     both (the variant's kept while the reference runs)."""
     B, H, N, D = s.fidelity.batch_size, s.num_heads, seq_len, s.head_dim
     e = torch.empty((), dtype=s.torch_dtype).element_size()
     reference = attn.exact_counterpart(s.fidelity.block_size)
-    return (max(attn.memory_bytes(B, H, N, D, e, s.causal), reference.memory_bytes(B, H, N, D, 8, s.causal))
+    return (max(attn.memory_bytes(B, H, N, D, e, s.causal, device), reference.memory_bytes(B, H, N, D, 8, s.causal, device))
             + B * H * N * D * (8 * e + 8 * 8))
 
 
