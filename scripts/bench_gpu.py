@@ -60,7 +60,7 @@ import yaml  # noqa: E402
 
 from harness.config import ctrl_c_is_one_line, one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import now  # noqa: E402
-from harness.results import InputError, fit_exponents, latest, load_rows, read_jsonl, write_json  # noqa: E402
+from harness.results import InputError, atomic_write, fit_exponents, latest, load_rows, read_jsonl, write_json  # noqa: E402
 
 MiB = 2**20
 STEPS = ("roof", "c-targets", "a-targets", "d", "c", "a")
@@ -843,7 +843,20 @@ def summarize(ctx: Context) -> dict[str, Any]:
     res = analyse(ctx)
     (ctx.out / "SUMMARY.md").write_text(summary_md(ctx, res, reports))
     write_json(ctx.out / "summary.json", {"smoke": ctx.plan.smoke, "state": ctx.state, **res})
+    repository_relative(ctx.out)
     return res
+
+
+def repository_relative(out: Path) -> None:
+    """Hydra's records (.hydra/hydra.yaml, multirun.yaml: its cwd, config path, sweep and output
+    directories) and the reports' source line hold the repository's absolute path on the machine that ran
+    them: written as ``.`` instead, so that the results say nothing of that machine and read the same
+    wherever they are checked out. Run once the sweeps have ended (no file is being written)."""
+    root = str(ROOT)
+    for path in [*out.rglob("*.yaml"), *out.rglob("report.html")]:
+        text = path.read_text()
+        if root in text:
+            atomic_write(path, text.replace(root, "."))
 
 
 # ----- command line --------------------------------------------------------------------------------

@@ -20,8 +20,8 @@
 # Run the same command again (with the extracted results in place) until its last line says
 # "complete". No GPU has run it yet; the whole benchmark will take several calls of ten minutes.
 #
-# Environment: BENCH_DIR (default: the latest results/gpu/<UTC date>-<device> without a COMPLETE file,
-# else a new one for today), JOB_BUDGET_S (keep it 100 s under any hard limit on the call), OUT, PYTHON,
+# Environment: BENCH_DIR (default: the latest results/gpu/<UTC date>-<device> without a COMPLETE or CLOSED
+# file, else a new one), JOB_BUDGET_S (keep it 100 s under any hard limit on the call), OUT, PYTHON,
 # PACK_EVERY_S, RERUN_TESTS=1 (once every GPU test has run: all of them again), TEST_WORKERS (8),
 # SKIP_TESTS=1, SKIP_WHEELS=1, BENCH_ARGS (more bench_gpu.py arguments), HARNESS_CODE_VERSION (the
 # commit every row records as code_version, for a tree copied without .git: `git rev-parse --short=12
@@ -149,11 +149,17 @@ take_home() {
 
 [ -n "$DEVICE" ] || DEVICE=unknown-device  # python or torch does not run: said above
 if [ -z "${BENCH_DIR:-}" ]; then
-    # This device's latest results directory unless it is complete: a benchmark that takes several calls
-    # (several sessions, several days) goes on where it stopped
-    BENCH_DIR=results/gpu/$(date -u +%F)-$DEVICE
+    # This device's latest results directory unless it is complete or closed (CLOSED: a file saying why no
+    # more runs go into it, e.g. code that changes its numbers): a benchmark that takes several calls
+    # (several sessions, several days) goes on where it stopped. A new one is named by the date, or by
+    # the date and time where a directory of that date exists (they sort in the order they were made).
     latest=$(ls -d results/gpu/*-"$DEVICE" 2>/dev/null | sort | tail -n 1)
-    [ -n "$latest" ] && [ ! -f "$latest/COMPLETE" ] && BENCH_DIR=$latest
+    if [ -n "$latest" ] && [ ! -f "$latest/COMPLETE" ] && [ ! -f "$latest/CLOSED" ]; then
+        BENCH_DIR=$latest
+    else
+        BENCH_DIR=results/gpu/$(date -u +%F)-$DEVICE
+        [ -e "$BENCH_DIR" ] && BENCH_DIR=results/gpu/$(date -u +%FT%H%M%SZ)-$DEVICE
+    fi
 fi
 mkdir -p "$BENCH_DIR"
 echo "== results directory: $BENCH_DIR"

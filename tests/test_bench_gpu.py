@@ -65,6 +65,10 @@ def test_the_job_completes_and_brings_back_a_few_files(smoke):
     for path in jobs:
         assert sorted(r["seq_len"] for r in load_rows(path)) == list(SMOKE_N), path
     assert json.loads((tmp / "bench" / "roof.json").read_text())["status"] == "skipped: needs CUDA"
+    # Hydra's records and the reports name the repository "." (its cwd, config path), not where it lay
+    records = [*(tmp / "bench").rglob("*.yaml"), *(tmp / "bench").rglob("report.html")]
+    assert len(records) > 10 and not [p for p in records if str(ROOT) in p.read_text()]
+    assert "cwd: .\n" in (tmp / "bench" / "c" / "multirun.yaml").read_text()
 
 
 def test_every_variant_and_backend_is_a_harness_sweep_stopped_at_nothing(smoke):
@@ -492,3 +496,39 @@ def test_a_bar_in_a_cell_stays_in_its_column():
     made new columns in SUMMARY.md's tables."""
     assert load_bench().table(["kernel", "ms"], [["FlexAttention mask_mod |q-kv| <= 4", 1.5]])[2] == \
         "| FlexAttention mask_mod \\|q-kv\\| <= 4 | 1.5 |"
+
+
+def test_gpu_job_resumes_the_latest_open_directory_and_starts_a_new_one_after_a_complete_or_closed_one(tmp_path):
+    """Without BENCH_DIR the job writes into this device's latest results directory, until it is COMPLETE or
+    CLOSED (a file saying why nothing more goes into it); then into a new one, named by the date, or by the
+    date and time where that date's directory exists (it was written into that one again, its COMPLETE
+    file included). A copy of the script in a bare tree, with a stand-in python that names the device."""
+    import datetime
+    import shutil
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "gpu_job.sh", tmp_path / "scripts")
+    stub = tmp_path / "python"
+    stub.write_text("#!/bin/sh\ncat >/dev/null\necho cpu\n")  # the environment report's device; nothing else runs
+    stub.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "SKIP_WHEELS": "1", "SKIP_TESTS": "1", "PYTHON": str(stub),
+           "JOB_BUDGET_S": "100"}
+    env.pop("BENCH_DIR", None)
+
+    def chosen() -> str:
+        proc = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_job.sh")], cwd=tmp_path, env=env,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        (line,) = [x for x in proc.stdout.splitlines() if x.startswith("== results directory: ")]
+        return line.removeprefix("== results directory: ")
+
+    today = f"results/gpu/{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}-cpu"
+    assert chosen() == today and chosen() == today  # made, then resumed
+    (tmp_path / today / "CLOSED").write_text("code that changes its numbers came after it\n")
+    later = chosen()
+    assert re.fullmatch(rf"{today[:-4]}T\d{{6}}Z-cpu", later) and sorted([today, later])[-1] == later
+    assert chosen() == later
+    (tmp_path / later / "COMPLETE").write_text("done\n")
+    time.sleep(1.1)  # a name to the second
+    last = chosen()
+    assert last not in (today, later) and sorted([today, later, last])[-1] == last
