@@ -4,3 +4,5 @@ length and hands each row to its sinks (results.py's store and status, logger.py
 console.py's view); quality/ says what the variant loses, report/ reads the results back. It never
 defines attention: variants/ does.
 """
+
+from . import config  # noqa: E402,F401  registers the resolver conf/config.yaml names (job_dirname)

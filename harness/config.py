@@ -376,6 +376,30 @@ def check_output_dir(path: str | Path) -> None:
                           f"and first results)")
 
 
+NAME_MAX = 255  # bytes in a file name (ext4, xfs, NFS): a longer job directory fails in Hydra's mkdir
+
+
+def job_dirname(overrides: str) -> str:
+    """A sweep job's directory (``hydra.sweep.subdir``): its overrides as Hydra joins them (sorted
+    ``key=value`` items), or, where that passes a file name's limit, a hash of them all and as many of the
+    last items as fit (``variant``, ``variant.backend`` sort last): the same overrides, the same directory,
+    so a sweep resumes; .hydra/overrides.yaml keeps them all."""
+    if len(overrides.encode()) <= NAME_MAX:
+        return overrides
+    import hashlib
+
+    head = f"sha1-{hashlib.sha1(overrides.encode()).hexdigest()[:12]}"
+    tail: list[str] = []
+    for item in reversed(overrides.split(",")):
+        if len(",".join([head, item, *tail]).encode()) > NAME_MAX:
+            break
+        tail.insert(0, item)
+    return ",".join([head, *tail])
+
+
+OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)  # conf/config.yaml's sweep.subdir
+
+
 def variant_names() -> list[str]:
     return sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "variant").glob("*.yaml"))
 

@@ -105,7 +105,7 @@ GPU_PLAN = Plan(smoke=False, a=[], c=[], shape=(16, 8, 64), dtype="float16", com
                 overhead_seq_len=4096, exponent_range=(4096, 65536), roof_size=8192, roof_target=(16384, 128))
 # Tiny sizes on CPU, timings not judged as noise: proves the orchestration, measures nothing.
 QUIET = ["measure.min_run_time=0.01", "measure.min_samples=2", "measure.max_rel_iqr=1000",
-         "measure.max_other_cores=1000", "device=cpu", "dtype=float32"]
+         "measure.max_other_cores=1000", "measure.on_noise=flag", "device=cpu", "dtype=float32"]
 SMOKE_PLAN = Plan(smoke=True, a=["seq_lens=[128,256]", "batch_size=1", "num_heads=2", "head_dim=16",
                                  "fidelity.enabled=false"],
                   c=["seq_lens=[128,256]", "tokens_per_batch=256", "model_dim=64", "head_dim=16,32"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP_SH = ROOT / "scripts" / "sweep.sh"
@@ -398,3 +400,19 @@ def test_slurm_launcher_without_slurm_is_one_line(tmp_path):
     assert "Traceback" not in p.stdout + p.stderr, p.stderr
     (line,) = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert line.startswith("error: hydra/launcher=slurm submitted nothing: ") and "srun" in line, line
+
+
+def test_a_job_directory_past_a_file_names_limit_is_hashed_and_keeps_its_last_overrides():
+    """Hydra names a sweep's job directory by its overrides; past 255 bytes its mkdir failed in a traceback
+    before the harness ran (the GPU job's dry run, once one more measure.* override was added)."""
+    from harness.config import NAME_MAX, job_dirname
+
+    short = "variant.backend=math,variant=full"
+    assert job_dirname(short) == short
+    items = [f"measure.option_{i:02d}={'x' * 20}" for i in range(12)] + ["variant.backend=dense", "variant=blockwise"]
+    long = ",".join(items)
+    name = job_dirname(long)
+    assert len(long.encode()) > NAME_MAX >= len(name.encode()) and name == job_dirname(long)  # the same job, the same directory
+    assert re.fullmatch(r"sha1-[0-9a-f]{12},.*,variant\.backend=dense,variant=blockwise", name), name
+    assert job_dirname(long.replace("dense", "flex")) != name
+    assert OmegaConf.create({"a": long, "b": "${job_dirname:${a}}"}).b == name  # the resolver conf/config.yaml names
