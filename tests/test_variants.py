@@ -466,6 +466,19 @@ def test_engine_tiles_are_sized_per_device_and_counted_so():
     assert 0 < mem[16384, "cuda"] - mem[16384, "cpu"] <= 4 * 4 * engine.CUDA_TILE_ELEMENTS
 
 
+def test_dense_paths_count_a_fourth_score_tensor_on_cuda():
+    """torch's CUDA softmax backward forms dP∘P before its kernel (the CPU one does not): a dense path holds
+    four N×N at its peak there, as an H100 measured for full math (4.00·N² at N = 128…4096, fp16)."""
+    B, H, N, D = 16, 8, 4096, 64
+    for name, options, e in [("full", {"backend": "math"}, 2), ("full", {"backend": "sdpa_math"}, 4),
+                             ("sparse", {"backend": "dense"}, 2)]:
+        attn = variants.build(name, **options)
+        gap = attn.memory_bytes(B, H, N, D, 2, False, "cuda") - attn.memory_bytes(B, H, N, D, 2, False)
+        assert gap == e * B * H * N * N, (name, options)
+    assert variants.build("full", backend="math").memory_bytes(B, H, N, D, 2, False, "cuda") + 4 * B * H * N * D * 2 \
+        == 2 * B * H * (4 * N * N + 6 * N * D)  # measured on the H100: 16768 MiB with the inputs
+
+
 def test_shipped_yaml_defaults_are_the_class_defaults():
     """One default per option: variants.build(name) runs what conf/variant/<name>.yaml runs."""
     for path in VARIANT_YAMLS:

@@ -227,12 +227,17 @@ class Attention(nn.Module):
         """Analytic estimate of the extra peak memory of forward+backward (q, k, v and the output
         gradient, the inputs, excluded): an upper bound of the measured CPU peak, within 1.3× of it
         (tests/test_memory_scaling.py::test_analytic_memory_bounds_the_measured_peak). ``device``: where it
-        runs (None: CPU), for a backend that sizes its work per device (the block-sparse engine's tiles)."""
+        runs (None: CPU), for a backend that sizes its work per device (the block-sparse engine's tiles) or
+        whose kernels differ there (the softmax backward below)."""
         # Dense attention's peak is the softmax backward: the saved probabilities P, dP and dS (three
         # score-sized tensors) beside the output and dV (two N×D); dq and dk come after it. Measured
-        # exactly so (tests/test_harness.py). Plus the bool mask the dense path saves (masked_fill keeps
-        # its negation). Variants with their own structure override this.
-        return element_size * B * H * (3 * self.executed_pairs(N, causal) + 2 * N * D) + self.mask_bytes(B, H, N, causal)
+        # exactly so on CPU (tests/test_harness.py). On CUDA PyTorch's softmax backward first forms
+        # dP ∘ P as a tensor of its own (softmax_backward_cuda_out's ``tmp = grad * output``): four,
+        # measured so on an H100 (4.00·N², results/gpu/). Plus the bool mask the dense path saves
+        # (masked_fill keeps its negation). Variants with their own structure override this.
+        scores = 4 if device is not None and torch.device(device).type == "cuda" else 3
+        return (element_size * B * H * (scores * self.executed_pairs(N, causal) + 2 * N * D)
+                + self.mask_bytes(B, H, N, causal))
 
     def mask_bytes(self, B: int, H: int, N: int, causal: bool) -> int:
         """Bytes of the bool mask a dense path holds through the backward: one (N, N)."""

@@ -67,7 +67,7 @@ class Full(Attention):
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
                      device: torch.device | str | None = None) -> int:
         if self.backend == "math":
-            return super().memory_bytes(B, H, N, D, element_size, causal, device)  # three N×N at the peak
+            return super().memory_bytes(B, H, N, D, element_size, causal, device)  # three N×N at the peak (CUDA: four)
         if self.backend == "sdpa_math":  # the same, its scores in float32 for half inputs (SDPA's math upcasts)
             return super().memory_bytes(B, H, N, D, max(element_size, 4), causal, device)
         return element_size * B * H * 8 * N * D  # fused: O(N·D), log-sum-exp and gradients
