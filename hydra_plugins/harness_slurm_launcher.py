@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -38,14 +39,38 @@ def cannot_submit(e: Exception) -> None:
     sys.exit(1)
 
 
+KILLED_STATES = ("CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "DEADLINE", "BOOT_FAIL")
+
+
+def killed(job) -> bool:
+    """Whether the job's process was ended from outside: SLURM cancelled it, its time or memory ran out, its
+    node was lost, or a signal killed it (a signal in sacct's ``exit:signal`` codes of the job or its steps:
+    a run SIGKILLed shows FAILED, ExitCode 9:0, its step 0:9). Such a job writes no result file; one that
+    failed by raising does (submitit pickles the error, exit code 1), so it is waited for. Unknown (sacct
+    does not answer): not killed."""
+    if (job.state or "").split(" ")[0] in KILLED_STATES:
+        return True
+    if not (job.state or "").startswith("FAILED"):
+        return False
+    try:
+        out = subprocess.run(["sacct", "-j", str(job.job_id), "-n", "-P", "-o", "State,ExitCode,DerivedExitCode"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    fields = [f for line in out.splitlines() for f in line.split("|")]
+    return any(f.split(" ")[0] in KILLED_STATES or (":" in f and f.partition(":")[2] not in ("", "0")) for f in fields)
+
+
 def results_appear(jobs) -> None:
     """Waits once for every ended job's result file. On a shared filesystem the file can show up a moment
     after SLURM records the job's end, so submitit waits up to ``_results_timeout_s`` (15 s) for it, job by
     job: a sweep whose jobs were cancelled or ran out of time (they leave no result) would wait that long
-    for each of them. One wait of that length here serves them all; submitit then reads what is there."""
-    deadline = time.monotonic() + min((job._results_timeout_s for job in jobs), default=0)
+    for each of them. One wait of that length here serves them all, and none for a job that was killed
+    (``killed``: no result will come); submitit then reads what is there."""
+    expected = [job for job in jobs if not killed(job)]
+    deadline = time.monotonic() + min((job._results_timeout_s for job in expected), default=0)
     while True:
-        missing = [job for job in jobs if not job.paths.result_pickle.exists()]
+        missing = [job for job in expected if not job.paths.result_pickle.exists()]
         if not missing or time.monotonic() > deadline:
             break
         for job in missing:  # as submitit does: refreshes a network filesystem's cached view of the folder

@@ -156,8 +156,11 @@ def test_cancelled_and_failed_jobs_are_said_and_the_same_command_resumes(cluster
                 signalled.add(variant)
         assert p.poll() is None and time.monotonic() < deadline, (p.poll(), signalled)
         time.sleep(0.1)
+    signalled_at = time.monotonic()
     rc, out, err = finish(p)
     assert rc == 1, out[-2000:] + err[-3000:]
+    # Neither killed job writes a result: the launcher does not wait the 15 s it gives a late result file
+    assert time.monotonic() - signalled_at < 12, time.monotonic() - signalled_at
     assert "jobs: 2 (failed 1, interrupted 1)" in out, out[-2000:]
     assert "rerun the same command to resume" in err
     states = sacct_states(cluster, [full_job, linear_job])
