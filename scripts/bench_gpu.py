@@ -864,10 +864,9 @@ def repository_relative(out: Path) -> None:
 def record_invocation(ctx: Context, steps: list[str]) -> None:
     """env.json: one entry per invocation (machine, versions, clocks, date, steps)."""
     from harness import env as envmod
-
-    entries = invocations(ctx.out)
     from variants.xformers_backend import unavailable_reason
 
+    entries = invocations(ctx.out)
     unavailable = {"xformers": unavailable_reason(ctx.device)} if ctx.device.type == "cuda" else {}
     entries.append({"date": now(), "steps": ",".join(steps), "device": ctx.device.type, "python": platform.python_version(),
                     "unavailable_backends": {b: r for b, r in unavailable.items() if r is not None},

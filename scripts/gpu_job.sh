@@ -18,7 +18,8 @@
 #    outright leaves the last copy): results.tar.gz (the results directory, with repository-relative
 #    paths: `tar -xzf results.tar.gz` at the repository root), SUMMARY.md, tests-gpu.log, job.log.
 # Run the same command again (with the extracted results in place) until its last line says
-# "complete". No GPU has run it yet; the whole benchmark will take several calls of ten minutes.
+# "complete". On an H100 the GPU tests and the first steps (roof, c-targets, a-targets) took about ten
+# minutes; the whole benchmark takes several calls of ten minutes.
 #
 # Environment: BENCH_DIR (default: the latest results/gpu/<UTC date>-<device> without a COMPLETE or CLOSED
 # file, else a new one), JOB_BUDGET_S (keep it 100 s under any hard limit on the call), OUT, PYTHON,
