@@ -385,6 +385,25 @@ def test_analytic_memory_follows_causal():
             assert skipped == (attn.backend == "blocksparse"), name
 
 
+def engine_case(name: str, options: dict, causal: bool, seed: int):
+    """A plan with shared, gathered, masked and ragged tiles (N=203, B=2, H=3, D=32), its inputs and the
+    float64 reference's output and gradients."""
+    attn = variants.build(name, **options)
+    N = 203
+    plan, scale = attn.plan(N, causal), attn.scale(32)
+    q, k, v = qkv(2, 3, N, 32, dtype=torch.float32, seed=seed)
+    dout = torch.randn_like(q)
+    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out = attn.reference(*x, causal=causal)
+    return attn, plan, scale, (q, k, v), dout, (ref_out, *torch.autograd.grad(ref_out, x, dout.double()))
+
+
+def tiles(plan, BH: int, D: int, tile: int) -> int:
+    """The engine's loop steps over ``plan`` with tiles of ``tile`` elements."""
+    return sum(-(-(ch.rows[1] - ch.rows[0]) // engine.rows_per_tile(ch, BH, plan.block_size, D, tile))
+               for ch in plan.chunks)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name, options", [("sparse", {"pattern": "bigbird", "block_size": 16, "random_blocks": 1}),
                                            ("sliding_window", {"window": 24, "global_tokens": 3}),
@@ -393,11 +412,8 @@ def test_engine_saved_probabilities_equal_recomputed(name, options, causal):
     """The engine's two backwards (probability tiles kept from the forward, or recomputed) give the same
     gradients, against the float64 reference too, on a plan with shared, gathered, masked and ragged tiles;
     a second backward through a retained graph reads the kept tiles unchanged."""
-    attn = variants.build(name, **options)
-    N = 203
-    plan, scale = attn.plan(N, causal), attn.scale(32)
-    q, k, v = qkv(2, 3, N, 32, dtype=torch.float32, seed=5)
-    dout = torch.randn_like(q)
+    attn, plan, scale, (q, k, v), dout, ref = engine_case(name, options, causal, seed=5)
+    N = q.shape[-2]
     grads = {}
     for save in (False, True):
         x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -408,9 +424,7 @@ def test_engine_saved_probabilities_equal_recomputed(name, options, causal):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(grads[False], grads[True]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = torch.autograd.grad(attn.reference(*x, causal=causal), x, dout.double())
-    for a, r in zip(grads[True], ref):
+    for a, r in zip(grads[True], ref[1:]):
         torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-5)
     memory = {}
     for save in (False, True):  # the analytic memory counts the kept tiles (float32)
@@ -426,22 +440,15 @@ def test_engine_saved_probabilities_equal_recomputed(name, options, causal):
 def test_engine_gpu_sized_tiles_compute_the_same_function(name, options, causal, monkeypatch):
     """A GPU tile (tile_elements on CUDA) spans many more query blocks than a CPU one: the same outputs and
     gradients, here on CPU, as with tiles of one query block each and as the float64 reference."""
-    attn = variants.build(name, **options)
-    N = 203
-    plan, scale = attn.plan(N, causal), attn.scale(32)
-    q, k, v = qkv(2, 3, N, 32, dtype=torch.float32, seed=7)
-    dout = torch.randn_like(q)
+    attn, plan, scale, (q, k, v), dout, ref = engine_case(name, options, causal, seed=7)
     got = {}
     for tile in (1, engine.CUDA_TILE_ELEMENTS):  # 1: one query block per tile
         monkeypatch.setattr(engine, "TILE_ELEMENTS", tile)
-        assert sum(-(-(ch.rows[1] - ch.rows[0]) // engine.rows_per_tile(ch, 6, 16, 32, tile)) for ch in plan.chunks) \
-            == (sum(ch.rows[1] - ch.rows[0] for ch in plan.chunks) if tile == 1 else len(plan.chunks))
+        assert tiles(plan, 6, 32, tile) == (sum(ch.rows[1] - ch.rows[0] for ch in plan.chunks) if tile == 1
+                                            else len(plan.chunks))
         x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = engine.block_sparse_attention(*x, plan, scale)
         got[tile] = (out, *torch.autograd.grad(out, x, dout))
-    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_out = attn.reference(*x, causal=causal)
-    ref = (ref_out, *torch.autograd.grad(ref_out, x, dout.double()))
     for a, b, r in zip(got[1], got[engine.CUDA_TILE_ELEMENTS], ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(b.double(), r, rtol=1e-4, atol=1e-5)
@@ -453,14 +460,9 @@ def test_engine_tiles_are_sized_per_device_and_counted_so():
     on CPU (O(N·D)), its tile term larger by a constant bounded by the GPU tile."""
     attn = variants.build("sliding_window", window=256)
     B, H, D = 16, 8, 64
-
-    def tiles(N, device):
-        tile, plan = engine.tile_elements(device), attn.plan(N, False)
-        return sum(-(-(ch.rows[1] - ch.rows[0]) // engine.rows_per_tile(ch, B * H, plan.block_size, D, tile))
-                   for ch in plan.chunks)
-
     assert engine.tile_elements("cuda") == engine.CUDA_TILE_ELEMENTS and engine.tile_elements(None) == engine.TILE_ELEMENTS
-    assert tiles(16384, "cuda") * 10 < tiles(16384, "cpu")
+    plan = attn.plan(16384, False)
+    assert tiles(plan, B * H, D, engine.tile_elements("cuda")) * 10 < tiles(plan, B * H, D, engine.tile_elements("cpu"))
     mem = {(N, d): attn.memory_bytes(B, H, N, D, 4, False, d) for N in (16384, 32768) for d in ("cpu", "cuda")}
     assert mem[32768, "cuda"] - mem[16384, "cuda"] == mem[32768, "cpu"] - mem[16384, "cpu"]
     assert 0 < mem[16384, "cuda"] - mem[16384, "cpu"] <= 4 * 4 * engine.CUDA_TILE_ELEMENTS

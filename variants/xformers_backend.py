@@ -102,10 +102,6 @@ def _why(err: Exception) -> str:
     return f"memory_efficient_attention raised {type(err).__name__}: {text[:400]}"
 
 
-def xformers_available(device: torch.device | str | None = None) -> bool:
-    return unavailable_reason(device) is None
-
-
 # ----- biases ----------------------------------------------------------------------------------------
 def causal_bias(causal: bool):
     return xformers_ops().fmha.attn_bias.LowerTriangularMask() if causal else None
