@@ -5,32 +5,29 @@ measure (the matmul roof, public kernels, the harness's overhead) and the target
     python scripts/bench_gpu.py --summary-only --out DIR   # SUMMARY.md, summary.json, reports again (on any
                                                            # machine: judged as on the one that measured)
 
-Steps, in this order: what the targets need first, so that a job spread over short calls has them
-early (default output results/gpu/<UTC date>-<device>/; a rerun into the same --out resumes: a sweep
-skips the points it has, a finished step is not run again):
+Steps, what the targets need first (a job spread over short calls has them early). Each is made of
+harness sweeps of the presets in conf/sweep/, except roof and d's public kernels, which this script runs
+in a process of its own:
   roof       n×n×n torch.matmul in bf16 and fp16, triton.testing.do_bench median -> roof.json
-  c-targets  conf/sweep/fa2_full.yaml at the roof target's point (N=16K, D=128, non-causal) with every
-             full backend the device has -> c/<job>/
-  a-targets  conf/sweep/seq_len_scaling.yaml for full's math (Table 21), and for the exponent targets'
-             variants from the fit's first length (4K) -> a/<variant>/<job>/
-  d          in one process, one kernel after another: each efficient variant's backends against the best
-             public kernel for its pattern (raw xformers, raw FlexAttention with the canonical mask_mod,
-             SDPA on blocks), the first call (compilation, BlockMask) timed apart; the harness's timing
-             against raw do_bench of the same callable -> d/compare.jsonl, d/overhead.json
-  c          fa2_full at every N, D and causal (c-targets' points are kept, not measured again)
-  a          seq_len_scaling (FA-1 shape: B=16, H=8, D=64, fp16, N=128…65536) once per variant with every
-             backend the device has (the backends compiled per N in a later sweep of their own, the other
-             N×N backends last of all): the harness stops a series at its first oom (the OOM frontier)
-             -> a/<variant>/<job>/
-Every step runs in a process of its own (c and a: the harness's sweeps; roof and d: this script again),
-so this one holds no GPU memory while a sweep measures, and a crash ends a step, not the job.
-Then SUMMARY.md and summary.json (targets: met | missed, with the gap | not measured | skipped on CPU),
-and harness.report's plots and tables for a/ and c/ (a/report/, c/report/).
-
---budget-s bounds the invocation: a sweep still running when it is spent gets SIGTERM (its jobs record
-status interrupted and resume on the next invocation). --smoke: the same code at tiny sizes, float32
-on CPU; what needs CUDA (roof, xformers, FlexAttention's backward, the kernels SDPA pins) is recorded
-skipped, and the overhead cases that run on CPU are timed against torch.utils.benchmark instead of do_bench.
+  c-targets  fa2_full at the roof target's point (N=16K, D=128, non-causal), every full backend -> c/
+  a-targets  seq_len_scaling for full's math (Table 21), and for the exponent targets' variants from the
+             fit's first length (4K) -> a/<variant>/
+  d          pattern_compare: each efficient variant whose pattern a public kernel computes, every backend
+             -> d/<variant>/; at the same point the public kernels (raw xformers, raw FlexAttention with the
+             pattern's mask_mod, SDPA on blocks; first call and BlockMask timed apart) -> d/compare.jsonl, and
+             the harness's timing against raw do_bench of the same callable -> d/overhead.json
+  c          fa2_full at every N, D and causal (c-targets' points are not measured again)
+  a          seq_len_scaling (FA-1 shape: B=16, H=8, D=64, fp16, N=128…65536), every variant with every
+             backend the device has: a series stops at its first oom (the OOM frontier) -> a/<variant>/
+In a step, the backends that compile per N (flex) run in sweeps of their own after the others, and the
+N×N backends last. A rerun into the same --out (default results/gpu/<UTC date>-<device>/) resumes: a
+sweep skips the points it has, a finished sweep is not run again (state.json). --budget-s bounds the
+invocation: a sweep still running when it is spent gets SIGTERM (its job records status interrupted and
+resumes on the next invocation). Then SUMMARY.md and summary.json (targets: met | missed, with the gap |
+not measured | skipped on CPU), and harness.report's plots and tables (a/report/, c/report/).
+--smoke: the same code at tiny sizes, float32 on CPU; what needs CUDA (roof, xformers, FlexAttention's
+backward, the kernels SDPA pins) is recorded skipped, and the overhead cases that run on CPU are timed
+against torch.utils.benchmark instead of do_bench.
 """
 
 from __future__ import annotations
@@ -65,6 +62,7 @@ from harness.results import InputError, atomic_write, fit_exponents, latest, loa
 MiB = 2**20
 STEPS = ("roof", "c-targets", "a-targets", "d", "c", "a")
 NEEDS_CUDA = "skipped: needs CUDA"
+BUDGET_SPENT = 3  # the exit status of a step of this script's own that the budget stopped (not a failure)
 # (label, variant, options): part a's series and the comparisons' variants.
 VARIANTS = [("full", "full", {}), ("sliding_window", "sliding_window", {}), ("linear", "linear", {}),
             ("blockwise-local", "blockwise", {"mode": "local"}), ("sparse-fixed", "sparse", {"pattern": "fixed"}),
@@ -76,6 +74,7 @@ TABLE21 = ("full", "math")  # the path FA-1 Table 21's target reads: the only N�
 COMPARED = ("sliding_window", "blockwise-local", "sparse-fixed", "sparse-strided", "sparse-bigbird")
 EXPONENT_TARGETS = ("sliding_window", "linear", "reformer", "adaptive_span")
 OVERHEAD_CASES = [("full", "sdpa_flash"), ("sliding_window", "xformers"), ("linear", "sdpa")]
+COMPILED = ("flex",)  # backends that compile per N (tens of seconds each): sweeps of their own, later
 PUBLISHED = ("FA-3 on H100: up to 740 TFLOP/s fp16 forward, at its best head dimension (75% of the 989 TFLOP/s "
              "datasheet peak); FA-2 on H100 about 335-370 TFLOP/s forward (both papers' 16K-token, hidden-2048 "
              "benchmark)")
@@ -91,7 +90,7 @@ class Plan:
     smoke: bool
     a: list[str]  # overrides on top of conf/sweep/seq_len_scaling.yaml
     c: list[str]  # ... and of conf/sweep/fa2_full.yaml
-    shape: tuple[int, int, int]  # (B, H, D) of the comparisons and the overhead (FA-1's)
+    shape: tuple[int, int, int]  # (B, H, D) of the comparisons (pattern_compare's) and the overhead (FA-1's)
     dtype: str
     compare_seq_len: int
     overhead_seq_len: int
@@ -113,32 +112,40 @@ SMOKE_PLAN = Plan(smoke=True, a=["seq_lens=[128,256]", "batch_size=1", "num_head
                   exponent_range=(128, 256), roof_size=256, roof_target=(256, 32), common=QUIET)
 
 
+@dataclass(frozen=True)
+class Step:
+    """One resumable piece of the job: a harness sweep of conf/sweep/<preset>.yaml into <out>/<directory>,
+    or (no preset) a step of this script run in a process of its own (roof, d:public)."""
+    group: str  # what --steps names (STEPS)
+    name: str  # its entry in state.json: "complete" once done
+    preset: str | None = None
+    overrides: tuple[str, ...] = ()
+    directory: str = ""
+
+
 class Context:
     def __init__(self, plan: Plan, out: Path, device: torch.device, budget_s: float | None, log,
                  labels: list[str]) -> None:
         self.plan, self.out, self.device, self.log, self.labels = plan, out, device, log, labels
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
-        self.state = load_state(out)
-        self.lost = False  # this process lost its CUDA context (part d): its in-process steps stop
+        self.state = json.loads((out / "state.json").read_text()) if (out / "state.json").exists() else {}
+        self.lost = False  # this process lost its CUDA context (d:public): its kernels stop
+        self._steps: list[Step] | None = None
 
     def left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
-    def done(self, step: str) -> bool:
-        """Whether a step is complete: a-targets and a by their sweeps (a-targets:<label>[:compiled],
-        a:<label>[:compiled|:table21|:n2]; a_series), the others by their own record."""
-        if step in ("a", "a-targets"):
-            return all(self.state.get(s) == "complete" for _, s, *_ in a_series(self, targets=step == "a-targets"))
-        return self.state.get(step) == "complete"
+    def steps(self, group: str | None = None) -> list[Step]:
+        if self._steps is None:
+            self._steps = plan_steps(self)
+        return [s for s in self._steps if group in (None, s.group)]
 
-    def finish(self, step: str, outcome: str) -> None:
-        self.state[step] = outcome
+    def done(self, group: str) -> bool:
+        return all(self.state.get(s.name) == "complete" for s in self.steps(group))
+
+    def finish(self, name: str, outcome: str) -> None:
+        self.state[name] = outcome
         write_json(self.out / "state.json", self.state)
-
-
-def load_state(out: Path) -> dict[str, str]:
-    path = out / "state.json"
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def backends(variant: str, options: dict[str, Any], device: torch.device) -> list[str]:
@@ -147,56 +154,27 @@ def backends(variant: str, options: dict[str, Any], device: torch.device) -> lis
     return variants.build(variant, **options).available_backends(device)
 
 
-# ----- sweeps: the harness itself ----------------------------------------------------------------
+# ----- the steps -----------------------------------------------------------------------------------
 
-def sweep(ctx: Context, step: str, preset: str, overrides: list[str], sweep_dir: Path) -> None:
-    """``python -m harness --multirun sweep=PRESET ...`` into ``sweep_dir``; SIGTERM when the budget ends."""
-    if ctx.done(step):
-        return
-    if ctx.left() < 20:
-        ctx.log(f"[{step}] not started: the budget is spent (run again to continue)")
-        return
-    cmd = [sys.executable, "-m", "harness", "--multirun", f"sweep={preset}", *overrides, *ctx.plan.common,
-           "logger=none", f"hydra.sweep.dir={sweep_dir}"]
-    if ctx.device.type == "cuda":  # skip what clearly cannot fit; the rest runs and an oom is recorded
-        cmd.append(f"memory_budget_gb={1.25 * torch.cuda.get_device_properties(ctx.device).total_memory / 1e9:.1f}")
-    ctx.log(f"[{step}] {' '.join(cmd[1:])}")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for attempt in (1, 2):
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-        try:
-            rc = proc.wait(timeout=None if ctx.left() == float("inf") else max(1.0, ctx.left()))
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the running job records "interrupted"; a rerun resumes it
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            ctx.finish(step, "interrupted by the budget")
-            ctx.log(f"[{step}] interrupted by the budget: run again to continue")
-            return
-        ctx.finish(step, "complete" if rc == 0 else f"exit {rc}")
-        # A job that failed (one that lost the process's CUDA context stops its sweep's later jobs too):
-        # once more at once, in a new process that skips what is stored
-        if rc == 0 or attempt == 2 or ctx.left() < 60:
-            return
-        ctx.log(f"[{step}] exit {rc}: once more, resuming")
+def plan_steps(ctx: Context) -> list[Step]:
+    """Every step of the job, group by group in STEPS' order, each group's in the order they run."""
+    n, d = ctx.plan.roof_target
+    full = [f"variant.backend={','.join(backends('full', {}, ctx.device))}", *ctx.plan.c]
+    roof_point = [o for o in with_seq_lens("fa2_full", full, lambda x: x == n)
+                  if not o.startswith(("head_dim=", "causal="))] + [f"head_dim={d}", "causal=false"]
+    return [Step("roof", "roof"), Step("c-targets", "c-targets", "fa2_full", tuple(roof_point), "c"),
+            *a_series(ctx, targets=True), *d_steps(ctx), Step("c", "c", "fa2_full", tuple(full), "c"), *a_series(ctx)]
 
 
-COMPILED = ("flex",)  # backends that compile per N (tens of seconds each): a series of their own, later
-
-
-def a_series(ctx: Context, targets: bool = False) -> list[tuple[int, str, str, dict[str, Any], list[str]]]:
-    """Part a's sweeps (tier, step, variant, options, backends) in the order they run: what a target
-    needs first (tier 0: full's math, Table 21; tiers 1 and 2: the exponent series, the kernels that
-    compile per N after every one that does not), then the other efficient variants and full's kernels
-    (3, compiled ones 4), the other N×N backends last (5: full's sdpa_math among them). A variant's
-    compiled backends are a sweep of their own (step <label>:compiled, the same job directories), so a
-    call cut short by its budget has not spent it compiling one variant's kernels while another's series
-    waits. ``targets``: tiers 0 to 2 only, for a-targets, which runs before part d. There tiers 1 and 2 are
-    narrowed to the exponent fit's lengths, sweeps of their own (a-targets:<label>...); tier 0 is part a's
-    own sweep (a:full:table21), not run twice."""
+def a_series(ctx: Context, targets: bool = False) -> list[Step]:
+    """Part a's sweeps in the order they run: what a target needs first (tier 0: full's math, Table 21;
+    tiers 1 and 2: the exponent series, the kernels that compile per N after every one that does not),
+    then the other efficient variants and full's kernels (3, compiled ones 4), the other N×N backends last
+    (5: full's sdpa_math among them). A variant's compiled backends are a sweep of their own (step
+    <label>:compiled, the same job directories), so a call cut short by its budget has not spent it
+    compiling one variant's kernels while another's series waits. ``targets``: tiers 0 to 2 only, for
+    a-targets, which runs before part d. There tiers 1 and 2 are narrowed to the exponent fit's lengths,
+    sweeps of their own (a-targets:<label>...); tier 0 is part a's own sweep (a:full:table21), not run twice."""
     import variants
 
     series = []
@@ -209,10 +187,32 @@ def a_series(ctx: Context, targets: bool = False) -> list[tuple[int, str, str, d
         for kind, tier in (("", 1 if target else 3), (":compiled", 2 if target else 4), (":table21", 0),
                            (":n2", 5)):
             chosen = [b for b, k in kinds.items() if k == kind]
-            if chosen and (tier <= 2 or not targets):
-                step = f"{'a-targets' if targets and tier in (1, 2) else 'a'}:{label}{kind}"
-                series.append((tier, step, variant, options, chosen))
-    return sorted(series, key=lambda s: s[0])  # stable: VARIANTS' order in a tier
+            if not chosen or (targets and tier > 2):
+                continue
+            narrowed = targets and tier in (1, 2)  # the exponent series from the fit's first length
+            overrides = [f"variant={variant}", f"variant.backend={','.join(chosen)}",
+                         *[f"variant.{k}={v}" for k, v in options.items()], *ctx.plan.a]
+            if narrowed:
+                overrides = with_seq_lens("seq_len_scaling", overrides, lambda n: n >= ctx.plan.exponent_range[0])
+            series.append((tier, Step("a-targets" if targets else "a", f"{'a-targets' if narrowed else 'a'}:{label}{kind}",
+                                      "seq_len_scaling", tuple(overrides), f"a/{label}")))
+    return [step for _, step in sorted(series, key=lambda s: s[0])]  # stable: VARIANTS' order in a tier
+
+
+def d_steps(ctx: Context) -> list[Step]:
+    """Part d: each compared variant with its backends at the comparison's point (pattern_compare; one
+    process per pattern, the compiled backends last), then the public kernels and the overhead (d:public)."""
+    (B, H, D), N = ctx.plan.shape, ctx.plan.compare_seq_len
+    point = [f"seq_lens=[{N}]", f"batch_size={B}", f"num_heads={H}", f"head_dim={D}"]
+    steps = []
+    for label, variant, options in VARIANTS:
+        if label in COMPARED and label in ctx.labels:
+            chosen = sorted((b for b in backends(variant, options, ctx.device) if not n2(variant, b)),
+                            key=lambda b: b in COMPILED)
+            steps.append(Step("d", f"d:{label}", "pattern_compare", (
+                f"variant={variant}", f"variant.backend={','.join(chosen)}",
+                *[f"variant.{k}={v}" for k, v in options.items()], *point), f"d/{label}"))
+    return [*steps, Step("d", "d:public")]
 
 
 def with_seq_lens(preset: str, overrides: list[str], keep: Callable[[int], bool]) -> list[str]:
@@ -224,31 +224,57 @@ def with_seq_lens(preset: str, overrides: list[str], keep: Callable[[int], bool]
     return [o for o in overrides if o not in own] + [f"seq_lens=[{','.join(str(n) for n in lens if keep(n))}]"]
 
 
-def part_a(ctx: Context, targets: bool = False) -> None:
-    for tier, step, variant, options, chosen in a_series(ctx, targets):
-        overrides = [f"variant={variant}", f"variant.backend={','.join(chosen)}",
-                     *[f"variant.{k}={v}" for k, v in options.items()], *ctx.plan.a]
-        if targets and tier in (1, 2):  # the exponent series from the fit's first length; part a adds the rest
-            overrides = with_seq_lens("seq_len_scaling", overrides, lambda n: n >= ctx.plan.exponent_range[0])
-        sweep(ctx, step, "seq_len_scaling", overrides, ctx.out / "a" / step.split(":")[1])
+def command(ctx: Context, step: Step) -> list[str]:
+    if step.preset is None:  # this script again, for one step of its own
+        cmd = [str(Path(__file__).resolve()), "--child", step.name, "--out", str(ctx.out),
+               "--variants", ",".join(ctx.labels), *(["--smoke"] if ctx.plan.smoke else [])]
+        return cmd + ([] if ctx.left() == float("inf") else ["--budget-s", f"{ctx.left():.0f}"])
+    cmd = ["-m", "harness", "--multirun", f"sweep={step.preset}", *step.overrides, *ctx.plan.common,
+           "logger=none", f"hydra.sweep.dir={ctx.out / step.directory}"]
+    if ctx.device.type == "cuda":  # skip what clearly cannot fit; the rest runs and an oom is recorded
+        cmd.append(f"memory_budget_gb={1.25 * torch.cuda.get_device_properties(ctx.device).total_memory / 1e9:.1f}")
+    return cmd
 
 
-def part_c(ctx: Context, targets: bool = False) -> None:
-    """fa2_full with every full backend; ``targets`` (c-targets): the roof target's point only (its N and
-    D, non-causal), the rest of the grid (a few seconds a job) left to step c."""
-    overrides = [f"variant.backend={','.join(backends('full', {}, ctx.device))}", *ctx.plan.c]
-    if targets:
-        n, d = ctx.plan.roof_target
-        overrides = [o for o in with_seq_lens("fa2_full", overrides, lambda x: x == n)
-                     if not o.startswith(("head_dim=", "causal="))] + [f"head_dim={d}", "causal=false"]
-    sweep(ctx, "c-targets" if targets else "c", "fa2_full", overrides, ctx.out / "c")
+def run_step(ctx: Context, step: Step) -> None:
+    """Runs a step in a process of its own: the orchestrating process holds no GPU memory while it
+    measures (it would move the OOM frontier), and a crash (a segfault, a lost CUDA context) ends that
+    step, not the job. A sweep still running when the budget is spent gets SIGTERM (its job records
+    interrupted; a rerun resumes it); one of this script's steps keeps to the budget itself."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for attempt in (1, 2):
+        if ctx.left() < 20:
+            return ctx.log(f"[{step.name}] not started: the budget is spent (run again to continue)")
+        cmd = [sys.executable, *command(ctx, step)]
+        ctx.log(f"[{step.name}] {' '.join(cmd[1:])}")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+        grace = 60 if step.preset is None else 0
+        try:
+            rc = proc.wait(timeout=None if ctx.left() == float("inf") else max(1.0, ctx.left() + grace))
+            spent = rc == BUDGET_SPENT and step.preset is None
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+            spent = True
+        ctx.finish(step.name, "complete" if rc == 0 else "interrupted by the budget" if spent else f"exit {rc}")
+        if spent:
+            return ctx.log(f"[{step.name}] interrupted by the budget: run again to continue")
+        # A job that failed (one that lost the process's CUDA context stops its sweep's later jobs too):
+        # once more at once, in a new process that skips what is stored
+        if rc == 0 or attempt == 2 or ctx.left() < 60:
+            return
+        ctx.log(f"[{step.name}] exit {rc}: once more, resuming")
 
 
-def part_roof(ctx: Context) -> None:
+def part_roof(ctx: Context) -> int:
     """The device's matmul rate: an n×n×n torch.matmul of fresh randn, median of do_bench."""
     if ctx.device.type != "cuda":
         write_json(ctx.out / "roof.json", {"status": NEEDS_CUDA})
-        return ctx.finish("roof", "complete")
+        return 0
     from triton.testing import do_bench
 
     n = ctx.plan.roof_size
@@ -261,9 +287,8 @@ def part_roof(ctx: Context) -> None:
         out["tflops"][dtype] = 2 * n**3 / (ms * 1e-3) / 1e12
         ctx.log(f"[roof] {dtype} {n}^3: {ms:.3f} ms = {out['tflops'][dtype]:.1f} TFLOP/s")
         del x, y
-    torch.cuda.empty_cache()
     write_json(ctx.out / "roof.json", out)
-    ctx.finish("roof", "complete")
+    return 0
 
 
 # ----- d: public kernels and the harness's overhead, in one process --------------------------------
@@ -399,39 +424,23 @@ def timed(ctx: Context, build: Callable[[], Callable[[], None]]) -> dict[str, An
     return row
 
 
-def d_kernels(ctx: Context) -> list[tuple[str, str, bool, Callable[[], Callable[[], None]]]]:
-    """(label, name, compiled, build) of every kernel part d times, in the order it times them: each
-    compared variant's own backends and public kernels, those compiled per call shape (flex,
-    FlexAttention) after every one that is not, so that a call cut short by its budget has not spent it
-    compiling."""
+def public_list(ctx: Context) -> list[tuple[str, str, bool, Callable[[], Callable[[], None]]]]:
+    """(label, name, compiled, build) of every public kernel d:public times, in the order it times them:
+    those compiled per call shape (FlexAttention) after every one that is not, so that a call cut short
+    by its budget has not spent it compiling."""
     import variants
 
     (B, H, D), N = ctx.plan.shape, ctx.plan.compare_seq_len
     dtype = getattr(torch, ctx.plan.dtype if ctx.device.type == "cuda" else "float32")
-    kernels = []
-    for label, variant, options in VARIANTS:
-        if label not in COMPARED or label not in ctx.labels:
-            continue
-        attn = variants.build(variant, **options)
-
-        def ours(backend: str, variant=variant, options=options) -> Callable[[], Callable[[], None]]:
-            def build() -> Callable[[], None]:
-                ours = variants.build(variant, **options, backend=backend)
-                if (reason := ours.unavailable(backend, ctx.device)) is not None:  # xformers that runs nothing here
-                    raise Unavailable(reason)
-                return fwd_bwd_call(ours.to(ctx.device), (B, H, N, D), dtype, ctx.device)
-            return build
-        # Every backend the device type has, one that cannot run here (xformers built for another CUDA)
-        # listed unavailable with its reason
-        kernels += [(label, f"ours {b}", b in COMPILED, ours(b)) for b in attn.backend_names()
-                    if not n2(variant, b) and (ctx.device.type == "cuda" or not attn.backends[b])]
-        kernels += [(label, name, kind == "flex", build)
-                    for name, (kind, build) in public_kernels(label, attn, B, H, N, D, dtype, ctx.device).items()]
+    kernels = [(label, name, kind == "flex", build) for label, variant, options in VARIANTS
+               if label in COMPARED and label in ctx.labels
+               for name, (kind, build) in public_kernels(label, variants.build(variant, **options), B, H, N, D, dtype,
+                                                         ctx.device).items()]
     return sorted(kernels, key=lambda k: k[2])  # stable: VARIANTS' order otherwise
 
 
 def d_done(rows: list[dict[str, Any]]) -> set[tuple[str, str]]:
-    """The (label, name) of the kernels part d has done with: measured, or skipped/unavailable for a
+    """The (label, name) of the kernels d:public has done with: measured, or skipped/unavailable for a
     reason; an error is tried once more on a later call (a transient failure should not stand), then
     kept too."""
     tries: dict[tuple[str, str], list[str]] = {}
@@ -440,50 +449,26 @@ def d_done(rows: list[dict[str, Any]]) -> set[tuple[str, str]]:
     return {key for key, st in tries.items() if st[-1] != "error" or len(st) >= 2}
 
 
-def part_d(ctx: Context) -> None:
+def part_public(ctx: Context) -> int:
+    """The overhead (a target, and seconds), then each public kernel not yet done; 0 once all are."""
+    overhead(ctx)
     path = ctx.out / "d" / "compare.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
     have = d_done(side_rows(path))
-    for label, name, compiled, build in d_kernels(ctx):
+    for label, name, _, build in public_list(ctx):
         if (label, name) in have:
             continue
         if ctx.left() < 20:
-            ctx.log("[d] the budget is spent: run again to continue")
-            return
-        if compiled:
-            overhead(ctx)  # a target, and seconds: before the compilations (once: it keeps its file)
-        row = {"label": label, "seq_len": ctx.plan.compare_seq_len,
-               "kind": name.split()[0] if name.startswith("ours") else "public", "name": name,
+            ctx.log("[d:public] the budget is spent: run again to continue")
+            return BUDGET_SPENT
+        row = {"label": label, "seq_len": ctx.plan.compare_seq_len, "kind": "public", "name": name,
                **timed(ctx, build), "date": now()}
         with path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        ctx.log(f"[d] {label} N={row['seq_len']} {name}: {row['status']} {fmt(row.get('fwd_bwd_ms'))} ms"
+        ctx.log(f"[d:public] {label} N={row['seq_len']} {name}: {row['status']} {fmt(row.get('fwd_bwd_ms'))} ms"
                 + (f" ({row['reason']})" if row["reason"] else ""))
         if ctx.lost:
-            return
-    overhead(ctx)
-    ctx.finish("d", "complete")
-
-
-def apart(ctx: Context, step: str) -> None:
-    """Runs roof or d, the steps that time kernels in this script's own process, in a child process: the
-    orchestrating process holds no GPU memory while the sweeps measure (it would move their OOM frontier),
-    and a kernel that crashes its process (a segfault, a lost CUDA context) ends that step, not the job."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", str(ctx.out), "--steps", step,
-           "--variants", ",".join(ctx.labels), *(["--smoke"] if ctx.plan.smoke else [])]
-    if ctx.left() != float("inf"):
-        if ctx.left() < 20:
-            return ctx.log(f"[{step}] not started: the budget is spent (run again to continue)")
-        cmd += ["--budget-s", f"{ctx.left():.0f}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    try:
-        rc = proc.wait(timeout=None if ctx.left() == float("inf") else ctx.left() + 60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = proc.wait()
-    ctx.state = load_state(ctx.out)  # what the child recorded
-    if rc != 0:
-        ctx.log(f"[{step}] its process ended with exit {rc}: what it wrote is kept; run again to continue")
+            return 1  # a new process goes on (run_step's second attempt, or the next call)
+    return 0
 
 
 def raw_timer(device: torch.device) -> Callable[[Callable[[], Any], int, list[torch.Tensor]], float]:
@@ -675,20 +660,29 @@ def analyse(ctx: Context) -> dict[str, Any]:
                   for r in sorted((r for r in c if r["seq_len"] == n),
                                   key=lambda r: (r["head_dim"], r["causal"], -(r.get("tflops_fwd_useful") or 0)))]
 
-    compare = side_rows(out / "d" / "compare.jsonl")
-    kernels, done = d_kernels(ctx), d_done(compare)
-    for label in COMPARED:
-        # Judged once part d is done with each of the pattern's kernels, not on the first ones timed
-        waiting = not_yet([name for lb, name, *_ in kernels if lb == label], {n for lb, n in done if lb == label})
-        rows = [r for r in compare if r["label"] == label and r["status"] == "ok"]
-        ours = min((r for r in rows if r["kind"] == "ours"), key=lambda r: r["fwd_bwd_ms"], default=None)
-        pub = min((r for r in rows if r["kind"] == "public"), key=lambda r: r["fwd_bwd_ms"], default=None)
+    # d: our backends' rows (harness sweeps, d/<label>/) against the public kernels' (compare.jsonl). (The
+    # first layout of part d timed ours in this script too: compare.jsonl's rows of kind "ours".)
+    compare, public = side_rows(out / "d" / "compare.jsonl"), public_list(ctx)
+    done = {s.name for s in ctx.steps("d") if ctx.state.get(s.name) == "complete"} | {n for _, n in d_done(compare)}
+    res["compare_rows"] = []
+    for label in (lb for lb in COMPARED if lb in ctx.labels):
+        rows = [{"label": label, "kind": "ours", "name": f"ours {r['backend']}", "status": r["status"],
+                 "fwd_bwd_ms": r["fwd_bwd_ms"], "first_call_s": r["warmup_s"], "block_mask_s": None,
+                 "reason": r["reason"] or r.get("noise_reasons")} for r in rows_of(out / "d" / label)]
+        rows += [r for r in compare if r["label"] == label]
+        res["compare_rows"] += rows
+        # Judged once each of the pattern's sweeps and public kernels is done, not on the first ones timed
+        waiting = not_yet([s.name for s in ctx.steps("d") if s.name.split(":")[1] == label] +
+                          [name for lb, name, *_ in public if lb == label], done)
+        ok = [r for r in rows if r["status"] == "ok" and r["fwd_bwd_ms"]]
+        ours = min((r for r in ok if r["kind"] == "ours"), key=lambda r: r["fwd_bwd_ms"], default=None)
+        pub = min((r for r in ok if r["kind"] == "public"), key=lambda r: r["fwd_bwd_ms"], default=None)
         ratio = pub["fwd_bwd_ms"] / ours["fwd_bwd_ms"] if ours and pub else None
         # The target is the issue's: our best backend. Our xformers and flex backends call the public
         # kernels themselves (same mask; ours built from the variant's predicate), so where one of them is
         # best the ratio measures our wrapper and mask_mod; the engine's ratio (variants/blocksparse.py,
         # our own kernel) is stated beside it.
-        own = min((r for r in rows if r["kind"] == "ours" and r["name"] not in ("ours xformers", "ours flex")),
+        own = min((r for r in ok if r["kind"] == "ours" and r["name"] not in ("ours xformers", "ours flex")),
                   key=lambda r: r["fwd_bwd_ms"], default=None)
         own_ratio = pub["fwd_bwd_ms"] / own["fwd_bwd_ms"] if own and pub else None
         res["compare"].append({"label": label, "ours": ours and ours["name"], "ours_ms": ours and ours["fwd_bwd_ms"],
@@ -703,8 +697,6 @@ def analyse(ctx: Context) -> dict[str, Any]:
             lambda v: f"ours takes {1 / v:.2f}x the public kernel's time"))
 
     lo, hi = plan.exponent_range
-    import variants
-
     for label in (t for t in EXPONENT_TARGETS if t in variants.REGISTRY and t in ctx.labels):
         # A backend is fitted only with every length of the range measured, ok and not noisy (a fit over
         # what is left of it could pass on two points); the target is judged on the backend fastest at hi.
@@ -745,7 +737,7 @@ def analyse(ctx: Context) -> dict[str, Any]:
         "overhead", "the harness's timing within 3% of raw do_bench of the same callable", worst and worst[1],
         lambda v: abs(v) <= 0.03, ", ".join(f"{k}: {v:+.2%}" for k, v in vals), cpu,
         lambda v: f"{worst[0]}: {v:+.2%}"))
-    res["compare_rows"], res["a_rows"], res["c_rows"], res["tests"] = compare, len(a), len(c), gpu_tests(out)
+    res["a_rows"], res["c_rows"], res["tests"] = len(a), len(c), gpu_tests(out)
     return res
 
 
@@ -812,7 +804,7 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
     lines += table(["N", "measured MiB", "FA-1 formula MiB", "ratio", "own count MiB", "ratio"],
                    [[m["seq_len"], f"{m['measured_mib']:.1f}", f"{m['formula_mib']:.1f}", f"{m['ratio']:.4f}",
                      f"{m['own_mib']:.1f}", f"{m['own_ratio']:.4f}"] for m in res["table21"]])
-    lines += ["", f"## Against public kernels (d/, N={ctx.plan.compare_seq_len}, forward+backward, one process)", ""]
+    lines += ["", f"## Against public kernels (d/, N={ctx.plan.compare_seq_len}, forward+backward, one job)", ""]
     lines += table(["pattern", "best public kernel", "ms", "our best backend", "ms", "speed ratio (target)",
                     "our own kernel", "ms", "speed ratio"],
                    [[r["label"], r["public"], r["public_ms"], r["ours"], r["ours_ms"], r["ratio"], r["own"],
@@ -821,7 +813,8 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
               "backends call the public kernels themselves with the same mask (flex's built from the variant's "
               "predicate), so where one is our best the ratio measures our wrapper and mask_mod; the last three "
               "columns are our own kernel, the block-sparse engine, against the same public kernel."]
-    lines += ["", "Every kernel timed (first call: compilation and plans; BlockMask: its creation):", ""]
+    lines += ["", "Every kernel timed (first call: compilation and plans, for ours the harness's warm-up; BlockMask: its "
+              "creation):", ""]
     lines += table(["pattern", "kernel", "status", "ms", "first call s", "BlockMask s", "note"],
                    [[r["label"], r["name"], r["status"], r.get("fwd_bwd_ms"), r.get("first_call_s"),
                      r.get("block_mask_s"), (r["reason"] or "-")[:120]] for r in res["compare_rows"]])
@@ -902,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, float32 on CPU: the orchestration end to end")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite SUMMARY.md, summary.json and reports")
     ap.add_argument("--pending", action="store_true", help="print the steps not complete in --out and exit")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # roof/d in a process of their own
+    ap.add_argument("--child", choices=("roof", "d:public"), help=argparse.SUPPRESS)  # run_step's process
     args = ap.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
     chosen = [v for v in args.variants.split(",") if v]
@@ -932,21 +925,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.pending:
         print(" ".join(s for s in steps if not ctx.done(s)))
         return 0
-    if args.child:  # roof or d, for a parent invocation (``apart``)
-        for step in steps:
-            if not ctx.done(step):
-                {"roof": part_roof, "d": part_d}[step](ctx)
-        return 0
+    if args.child:
+        return {"roof": part_roof, "d:public": part_public}[args.child](ctx)
     if not args.summary_only:
         record_invocation(ctx, steps)
         ctx.log(f"bench_gpu: steps {','.join(steps)} on {device} -> {out}")
-        parts = {"roof": lambda ctx: apart(ctx, "roof"), "c-targets": lambda ctx: part_c(ctx, targets=True),
-                 "a-targets": lambda ctx: part_a(ctx, targets=True), "d": lambda ctx: apart(ctx, "d"), "c": part_c,
-                 "a": part_a}
-        for step in steps:
-            if not ctx.done(step):
-                parts[step](ctx)
-                ctx.log(f"step {step}: {'complete' if ctx.done(step) else 'not complete'}")
+        for group in steps:
+            for step in ctx.steps(group):
+                if ctx.state.get(step.name) != "complete":
+                    run_step(ctx, step)
+            ctx.log(f"step {group}: {'complete' if ctx.done(group) else 'not complete'}")
     res = summarize(ctx)
     for t in res["targets"]:
         ctx.log(f"target {t['target']}: {t['status']}" + (f" ({t['gap']})" if t["gap"] else ""))

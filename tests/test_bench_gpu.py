@@ -57,7 +57,8 @@ def test_the_job_completes_and_brings_back_a_few_files(smoke):
         names = tar.getnames()
     assert "bench/SUMMARY.md" in names and "bench/summary.json" in names and "bench/d/compare.jsonl" in names
     state = json.loads((tmp / "bench" / "state.json").read_text())
-    assert set(state.values()) == {"complete"} and {"roof", "c", "d", "a:full", "a:full:table21", "a:full:n2"} <= set(state)
+    assert set(state.values()) == {"complete"}
+    assert {"roof", "c", "d:blockwise-local", "d:public", "a:full", "a:full:table21", "a:full:n2"} <= set(state)
     # c-targets measured the roof target's point in the job directories step c then completed: one series
     # per (backend, D, causal), each point once
     jobs = sorted((tmp / "bench" / "c").rglob("results.jsonl"))
@@ -99,13 +100,18 @@ def test_summary_states_the_numbers_of_the_files_and_skips_what_needs_cuda(smoke
     targets = {t["target"]: t for t in summary["targets"]}
     for name in ("table21", "full_roof", "overhead"):
         assert targets[name]["status"] == "skipped (needs CUDA)", targets[name]
-    # On CPU the blocks of blockwise local run through SDPA too: judged, with the ratio of the two rows.
+    # On CPU the blocks of blockwise local run through SDPA too: judged, with the ratio of our best backend's
+    # row (the harness's pattern_compare sweep, at the comparison's point) to the public kernel's.
     bl = targets["compare_blockwise-local"]
+    ours = latest(load_rows(tmp / "bench" / "d" / "blockwise-local"))
+    assert {r["backend"] for r in ours} == set(variants.build("blockwise", mode="local").available_backends("cpu")) - {"dense"}
+    assert {(r["seq_len"], r["batch_size"], r["num_heads"], r["head_dim"], r["dtype"], r["status"]) for r in ours} == {
+        (256, 1, 2, 16, "float32", "ok")}
     compare = [json.loads(x) for x in (tmp / "bench" / "d" / "compare.jsonl").read_text().splitlines()]
-    ours = min((r for r in compare if r["label"] == "blockwise-local" and r["kind"] == "ours"), key=lambda r: r["fwd_bwd_ms"])
-    pub = min((r for r in compare if r["label"] == "blockwise-local" and r["kind"] == "public" and r["status"] == "ok"),
-              key=lambda r: r["fwd_bwd_ms"])
-    assert bl["status"] in ("met", "missed") and bl["value"] == pytest.approx(pub["fwd_bwd_ms"] / ours["fwd_bwd_ms"])
+    pub = min((r for r in compare if r["label"] == "blockwise-local" and r["status"] == "ok"), key=lambda r: r["fwd_bwd_ms"])
+    best = min(ours, key=lambda r: r["fwd_bwd_ms"])
+    assert bl["status"] in ("met", "missed") and bl["value"] == pytest.approx(pub["fwd_bwd_ms"] / best["fwd_bwd_ms"])
+    assert bl["detail"].startswith(f"ours {best['backend']} vs {pub['name']}: ")
     lin = targets["exponent_linear"]
     rows = [r for r in load_rows(tmp / "bench" / "a" / "linear") if r["backend"] == "sdpa"]
     # Under others' load a tiny forward can time slower than forward+backward: that point is noisy and
@@ -116,8 +122,9 @@ def test_summary_states_the_numbers_of_the_files_and_skips_what_needs_cuda(smoke
     assert lin["status"] in ("met", "missed", *(("not measured",) if noisy else ())) and want in lin["detail"], lin
     for t in summary["targets"]:
         assert f"| {t['text']} | **{t['status']}** |" in md and f"target {t['target']}: {t['status']}" in stdout
-    # Every kernel timed is in the summary, with its time as the file has it.
-    for r in compare:
+    # Every kernel timed is in the summary, with its time as the files have it.
+    assert len(summary["compare_rows"]) == len(ours) + len(compare)
+    for r in [{"name": f"ours {r['backend']}", "label": "blockwise-local", **r} for r in ours] + compare:
         ms = "-" if r.get("fwd_bwd_ms") is None else f"{r['fwd_bwd_ms']:.4g}"
         name = r["name"].replace("|", "\\|")  # a | in a kernel's name (|q-kv| <= w) is escaped in the table
         assert re.search(rf"\| {re.escape(r['label'])} \| {re.escape(name)} \| {r['status']} \| {re.escape(ms)} \|", md), r
@@ -262,21 +269,25 @@ def test_what_the_targets_need_runs_first(tmp_path):
     assert bench.STEPS == ("roof", "c-targets", "a-targets", "d", "c", "a")
     labels = [label for label, _, _ in bench.VARIANTS]
     ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cpu"), None, print, labels)
-    steps = [step for _, step, *_ in bench.a_series(ctx)]
+    assert [s.group for s in ctx.steps()] == sorted((s.group for s in ctx.steps()), key=bench.STEPS.index)
+    steps = [s.name for s in ctx.steps("a")]
     assert steps[0] == "a:full:table21" and sorted(steps) == sorted(set(steps))
     targets = [f"a:{t}" for t in bench.EXPONENT_TARGETS]
     assert steps[1:1 + len(targets)] == targets
     n2 = [i for i, s in enumerate(steps) if s.endswith(":n2")]
     assert n2 and n2 == list(range(len(steps) - len(n2), len(steps)))  # the other N×N backends last
     assert "a:full:n2" in steps  # on CPU: sdpa_math
-    for tier, step, variant, options, chosen in bench.a_series(ctx):
-        assert all(bench.n2(variant, b) == step.endswith((":n2", ":table21")) for b in chosen), step
-        assert (variant == "full" and chosen == ["math"]) == (step == "a:full:table21"), step
-        assert (tier <= 1) == (step == "a:full:table21" or step in targets), step
+    for step in ctx.steps("a"):
+        assert (step.preset, step.directory) == ("seq_len_scaling", f"a/{step.name.split(':')[1]}")
+        o = dict(x.split("=", 1) for x in step.overrides)
+        chosen = o["variant.backend"].split(",")
+        assert all(bench.n2(o["variant"], b) == step.name.endswith((":n2", ":table21")) for b in chosen), step
+        assert (o["variant"] == "full" and chosen == ["math"]) == (step.name == "a:full:table21"), step
+        assert "seq_lens" not in o  # the preset's, every length
     # a-targets: Table 21's sweep itself, and the exponent series from 4K under their own names (part a
     # still runs those, with every length)
-    assert [s for _, s, *_ in bench.a_series(ctx, targets=True)] == [
-        "a:full:table21", *[s.replace("a:", "a-targets:") for s in targets]]
+    assert [s.name for s in ctx.steps("a-targets")] == ["a:full:table21", *[s.replace("a:", "a-targets:") for s in targets]]
+    assert ctx.steps("a-targets")[0].overrides == ctx.steps("a")[0].overrides  # one sweep, not run twice
     assert not bench.n2("linear", "math") and bench.n2("full", "math") and bench.n2("sparse", "dense")
     # The lengths each target step asks for, from the presets' own lists
     assert bench.with_seq_lens("seq_len_scaling", ["variant=linear"], lambda n: n >= 4096) == [
@@ -345,44 +356,51 @@ def test_compiled_backends_run_after_every_kernel_that_does_not_compile_in_their
     monkeypatch.setattr(bench, "backends", lambda variant, options, device: ["flex", "blocksparse", "dense", "xformers"])
     labels = ["sliding_window", "linear", "sparse-fixed"]
     ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cuda"), None, print, labels)
-    assert [(s, chosen) for _, s, _, _, chosen in bench.a_series(ctx)] == [
+
+    def chosen(step) -> list[str]:
+        return next(o for o in step.overrides if o.startswith("variant.backend=")).split("=")[1].split(",")
+    assert [(s.name, chosen(s)) for s in ctx.steps("a")] == [
         ("a:sliding_window", ["blocksparse", "xformers"]), ("a:linear", ["blocksparse", "xformers"]),
         ("a:sliding_window:compiled", ["flex"]), ("a:linear:compiled", ["flex"]),
         ("a:sparse-fixed", ["blocksparse", "xformers"]), ("a:sparse-fixed:compiled", ["flex"]),
         ("a:sliding_window:n2", ["dense"]), ("a:linear:n2", ["dense"]), ("a:sparse-fixed:n2", ["dense"])]
-    assert [s for _, s, *_ in bench.a_series(ctx, targets=True)] == [
+    assert [s.name for s in ctx.steps("a-targets")] == [
         "a-targets:sliding_window", "a-targets:linear", "a-targets:sliding_window:compiled",
         "a-targets:linear:compiled"]
-    overrides = []
-    monkeypatch.setattr(bench, "sweep", lambda ctx, step, preset, o, sweep_dir: overrides.append((step, o, sweep_dir)))
-    bench.part_a(ctx, targets=True)
-    for step, o, sweep_dir in overrides:  # each from the fit's first length, into the variant's directory
-        assert o[-1] == "seq_lens=[4096,8192,16384,32768,65536]" and sweep_dir == tmp_path / "a" / step.split(":")[1]
+    for step in ctx.steps("a-targets"):  # each from the fit's first length, into the variant's directory
+        assert step.overrides[-1] == "seq_lens=[4096,8192,16384,32768,65536]"
+        assert step.directory == f"a/{step.name.split(':')[1]}"
+    # d: the compared variants' backends but the N×N one at the comparison's point, the compiled ones last
+    # (a process per pattern), then the public kernels
+    assert [(s.name, s.preset and chosen(s)) for s in ctx.steps("d")] == [
+        ("d:sliding_window", ["blocksparse", "xformers", "flex"]), ("d:sparse-fixed", ["blocksparse", "xformers", "flex"]),
+        ("d:public", None)]
+    assert ctx.steps("d")[1].overrides[-4:] == ("seq_lens=[16384]", "batch_size=16", "num_heads=8", "head_dim=64")
+    assert "variant.pattern=fixed" in ctx.steps("d")[1].overrides and ctx.steps("d")[1].directory == "d/sparse-fixed"
     # c-targets: the roof target's point alone (the smoke plan's grid of D narrowed too)
     for plan, d in ((bench.GPU_PLAN, 128), (bench.SMOKE_PLAN, 32)):
-        overrides.clear()
-        bench.part_c(bench.Context(plan, tmp_path, torch.device("cuda"), None, print, labels), targets=True)
-        ((step, o, sweep_dir),) = overrides
+        (step,) = bench.Context(plan, tmp_path, torch.device("cuda"), None, print, labels).steps("c-targets")
         n = plan.roof_target[0]
-        assert step == "c-targets" and sweep_dir == tmp_path / "c" and o[0] == "variant.backend=flex,blocksparse,dense,xformers"
-        assert sorted(x for x in o if x.startswith(("seq_lens=", "head_dim=", "causal="))) == [
-            "causal=false", f"head_dim={d}", f"seq_lens=[{n}]"], o
+        assert (step.name, step.preset, step.directory) == ("c-targets", "fa2_full", "c")
+        assert step.overrides[0] == "variant.backend=flex,blocksparse,dense,xformers"
+        assert sorted(x for x in step.overrides if x.startswith(("seq_lens=", "head_dim=", "causal="))) == [
+            "causal=false", f"head_dim={d}", f"seq_lens=[{n}]"], step
 
 
-def test_part_d_times_the_compiled_kernels_after_every_other(tmp_path):
-    """On a CUDA machine part d's kernels at the benchmark's shape: each compared variant's backends and
-    public kernels, once each; the compiled ones (our flex, raw FlexAttention) after every one that is not,
-    so that a budget spent compiling has measured the rest first."""
+def test_public_kernels_compiled_per_shape_are_timed_after_every_other(tmp_path):
+    """On a CUDA machine d:public's kernels at the benchmark's shape, for each compared variant, once each;
+    raw FlexAttention after every one that is not compiled, so that a budget spent compiling has measured
+    the rest first."""
     bench = load_bench()
     labels = [label for label, _, _ in bench.VARIANTS]
     ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cuda"), None, print, labels)
-    kernels = bench.d_kernels(ctx)
+    kernels = bench.public_list(ctx)
     names = [(label, name) for label, name, *_ in kernels]
     assert len(names) == len(set(names)) and {label for label, _ in names} == set(bench.COMPARED)
     compiled = [c for _, _, c, _ in kernels]
     assert compiled == sorted(compiled) and any(compiled)
-    assert all(c == (name in ("ours flex",) or name.startswith("FlexAttention")) for _, name, c, _ in kernels)
-    assert ("sliding_window", "ours xformers") in names and ("sparse-bigbird", "ours blocksparse") in names
+    assert all(c == name.startswith("FlexAttention") for _, name, c, _ in kernels)
+    assert ("sliding_window", "xformers LocalAttentionFromBottomRightMask(256, 256)") in names
 
 
 def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_exactly(smoke, tmp_path):
