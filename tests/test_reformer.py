@@ -242,6 +242,38 @@ def test_lsh_path_builds_no_dense_set(monkeypatch):
     attn.flops(1, 2, 200, 8, causal=True)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_slices_of_chunks_equal_the_whole_layout(monkeypatch, causal):
+    """The lsh path attends a slice of chunks (every round) at a time, each checkpointed: one chunk per
+    slice gives the output and the gradients of one slice for the whole layout, both equal to the float64
+    reference, N not a multiple of bucket_size; without gradients (no checkpoint) the same output."""
+    import variants.reformer as reformer
+
+    attn = variants.build("reformer", bucket_size=8, n_hashes=3)
+    q, k, v = qkv(2, 2, 203, 8, dtype=torch.float64, seed=3)
+    up = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    slices = []
+    slice_of = Reformer._slice
+    monkeypatch.setattr(Reformer, "_slice", lambda self, *a: slices.append(a[3].shape[3]) or slice_of(self, *a))
+
+    def run():
+        out = attn(q, k, v, causal=causal)
+        return (out, *grads(out, q, v, up))
+    whole = run()
+    assert slices == [26, 26]  # ⌈203 / 8⌉ chunks in one slice, forward and the backward's recomputation
+    monkeypatch.setattr(reformer, "slice_elements", lambda device: 1)
+    slices.clear()
+    sliced = run()
+    assert slices == [1] * 52
+    q64, v64 = (t.detach().requires_grad_() for t in (q, v))
+    want = attn.reference(q64, k, v64, causal)
+    for got_whole, got_sliced, w in zip(whole, sliced, (want, *grads(want, q64, v64, up))):
+        assert_close(got_sliced, got_whole, 1e-12)
+        assert_close(got_sliced, w, 1e-10)
+    with torch.no_grad():
+        assert_close(attn(q, k, v, causal=causal), whole[0], 1e-12)
+
+
 @pytest.mark.parametrize("options", [{"bucket_size": 32}, {"bucket_size": 32, "n_hashes": 4, "n_buckets": 16}], ids=str)
 def test_peak_memory_is_linear(options):
     """Measured (profiler allocation replay, as the harness does): forward+backward at N and 2N. The

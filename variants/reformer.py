@@ -12,10 +12,11 @@ is in P(i) only when nothing else is. Row i is softmax_{j ∈ P(i)}(q_i·k̂_j/�
 Causal masks the future keys, but which past keys a query sees depends on the hashes of every position
 (the chunk boundaries), as in the paper.
 
-Backends: ``lsh`` sorts, gathers each chunk and the one before (all chunks and rounds at once), scores
-c × 2c tiles, subtracts log(number of rounds that found the pair) so that duplicates count once
-(the paper's log N_ij correction), merges the rounds with their running maxima and unsorts:
-O(N·r·c) time and memory forward and backward. Hashing is done a few rows at a time so its
+Backends: ``lsh`` sorts, gathers each chunk and the one before (a slice of chunks of every round at a
+time, each slice checkpointed: its backward recomputes its tiles), scores c × 2c tiles, subtracts
+log(number of rounds that found the pair) so that duplicates count once (the paper's log N_ij
+correction), merges the rounds with their running maxima and unsorts: O(N·r·c) time, O(N·r·D) memory
+beside one slice's tiles, forward and backward. Hashing is done a few rows at a time so its
 temporaries stay O(N) too; its time is O(N·D·n_buckets). ``dense`` materialises the set (B, H, N, N)
 from the inputs: the readable path.
 """
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .base import Attention, Flops, dense_attention, require, require_seed
+from .blocksparse import CUDA_TILE_ELEMENTS
 from .masks import causal_allowed
 
 
@@ -186,11 +188,19 @@ class Reformer(Attention):
                      device: torch.device | str | None = None) -> int:
         if self.backend == "dense":  # plus k̂ = q/‖q‖
             return super().memory_bytes(B, H, N, D, element_size, causal, device) + element_size * B * H * N * D
-        # Per round, in sorted order: score tiles (scores, probabilities, their gradients), gathered
-        # q, k̂, v windows and their gradients, plus int64 indices and O(N·D) outputs; in float32 at
-        # least (the tiles of half inputs are float32).
-        r, pairs, a = self.options.n_hashes, self.executed_pairs(N, causal), max(element_size, 4)
-        return a * B * H * (4 * pairs + 10 * r * N * D + 6 * N * D) + 8 * B * H * r * N * 6
+        # Fitted as an upper bound (within 1.34x) to the peaks measured on CPU over bucket sizes 8-64, 1-4
+        # rounds, D 8-64, float32 and bfloat16: the rounds' outputs in sorted and original order, their
+        # weighted product and its gradient (4·r·N·D, N padded to whole chunks); the scaled, normalised
+        # and padded inputs, their gradients and the merged output (7·N·D); the int64 layout (r·N); and
+        # one checkpointed slice's tiles (scores, probabilities, bias, gradient: 4 of the slice's score
+        # elements) with its gathered query, key and value rows. In float32 at least (half inputs'
+        # tiles are float32).
+        o, a = self.options, max(element_size, 4)
+        n_c, w = self.num_chunks(N), self.window(N)
+        padded, per_chunk = n_c * o.bucket_size, B * H * o.n_hashes * o.bucket_size * w
+        sliced = min(n_c, max(1, slice_elements(torch.device(device or "cpu")) // per_chunk)) * per_chunk
+        return (a * B * H * (4 * o.n_hashes * padded * D + 7 * N * D) + 8 * B * H * o.n_hashes * padded
+                + a * sliced * (4 * w + 3 * D) // w)
 
     def mask_bytes(self, B: int, H: int, N: int, causal: bool) -> int:
         return B * H * N * N  # the dense path's set, (B, H, N, N): it depends on q
@@ -212,48 +222,64 @@ class Reformer(Attention):
 
     def _lsh(self, q: Tensor, v: Tensor, causal: bool) -> Tensor:
         B, H, N, D = q.shape
-        c, n_c = self.options.bucket_size, self.num_chunks(N)
+        c, n_c, r = self.options.bucket_size, self.num_chunks(N), self.options.n_hashes
         acc = torch.promote_types(q.dtype, torch.float32)
         with torch.no_grad():  # the layout: which positions meet, and how often
             perm, rank = sort_rounds(self.buckets(q))  # (B, H, r, N)
             # Sorted order padded to n_c·c slots with position N: a key never kept, a query dropped.
             pos_q = F.pad(perm, (0, n_c * c - N), value=N).unflatten(-1, (n_c, c))  # (B, H, r, n_c, c)
             pos_k = look_back(pos_q, n_c)  # (B, H, r, n_c, w): its chunk, then the one before
-            bias = self._bias(pos_q, pos_k, rank, causal, acc)  # (B, H, r, n_c, c, w)
+            # Slices of chunks (every round) whose c × w score tiles hold about SLICE_ELEMENTS together
+            step = max(1, slice_elements(q.device) // (B * H * r * c * pos_k.shape[-1]))
+            slices = [slice(s, s + step) for s in range(0, n_c, step)]
+            # Itself only where no round offers anything else: (B, H, N)
+            offers = torch.cat([others_of(pos_q[:, :, :, s], pos_k[:, :, :, s], N, causal).any(dim=-1)
+                                for s in slices], dim=3)  # (B, H, r, n_c, c)
+            alone = F.pad(~unsort(offers.flatten(-2), rank).any(dim=2), (0, 1))  # (B, H, N + 1)
+            chunk = F.pad(rank // c, (0, 1), value=-2)  # (B, H, r, N + 1): C_t(j); padded keys match nothing
 
-        # Gathered straight from the (padded) inputs in each round's order; autograd scatters back.
-        qs = gather_rows(q.to(acc) * self.scale(D), pos_q)  # (B, H, r, n_c, c, D)
-        kw = gather_rows(normalise(q.to(acc)), pos_k)  # (B, H, r, n_c, w, D): k̂ of the window
-        vw = gather_rows(v.to(acc), pos_k)  # (B, H, r, n_c, w, D)
-        s = qs @ kw.transpose(-2, -1) + bias  # (B, H, r, n_c, c, w)
-        m = s.detach().amax(dim=-1)  # (B, H, r, n_c, c): each round's max, -inf where it has nothing
-        p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0)[..., None])  # 0 where not kept
-        o = p @ vw  # (B, H, r, n_c, c, D): unnormalised
+        # Padded once with the row of position N (zeros), which the slices gather from: (B, H, N + 1, D)
+        qs, k_hat, vs = (F.pad(x, (0, 0, 0, 1)) for x in (q.to(acc) * self.scale(D), normalise(q.to(acc)), v.to(acc)))
+        # Each slice checkpointed (the paper trades time for memory alike: its reversible layers recompute
+        # activations in the backward): forward and backward hold one slice's tiles at a time beside the
+        # O(r·N·D) outputs, never every round's c × w tiles (2.1x less at N=8192 on CPU, ~10% more time).
+        parts = [checkpoint(self._slice, qs, k_hat, vs, pos_q[:, :, :, s], pos_k[:, :, :, s], chunk, alone, causal,
+                            use_reentrant=False) if torch.is_grad_enabled() else
+                 self._slice(qs, k_hat, vs, pos_q[:, :, :, s], pos_k[:, :, :, s], chunk, alone, causal)
+                 for s in slices]
+        o, l, m = (torch.cat(x, dim=3) for x in zip(*parts))  # (B, H, r, n_c, c[, D]), in sorted order
         # Back to original order, then merge the rounds under their common maximum.
-        o, l, m = unsort(o.flatten(3, 4), rank), unsort(p.sum(-1).flatten(-2), rank), unsort(m.flatten(-2), rank)
+        o, l, m = unsort(o.flatten(3, 4), rank), unsort(l.flatten(-2), rank), unsort(m.flatten(-2), rank)
         w = torch.exp(m - m.amax(dim=2, keepdim=True))  # (B, H, r, N): 0 for a round with nothing
         out = (w[..., None] * o).sum(dim=2) / (w * l).sum(dim=2)[..., None]  # (B, H, N, D)
         return out.to(q.dtype)
 
-    def _bias(self, pos_q: Tensor, pos_k: Tensor, rank: Tensor, causal: bool, dtype: torch.dtype) -> Tensor:
+    def _slice(self, qs: Tensor, k_hat: Tensor, vs: Tensor, pos_q: Tensor, pos_k: Tensor, chunk: Tensor,
+               alone: Tensor, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Some chunks of every round, gathered straight from the padded inputs (B, H, N + 1, D) in the
+        rounds' order (autograd scatters back): unnormalised outputs (B, H, r, s, c, D), their row sums and
+        row maxima (B, H, r, s, c), −inf where a row has nothing."""
+        with torch.no_grad():
+            bias = self._bias(pos_q, pos_k, chunk, alone, causal, qs.dtype)  # (B, H, r, s, c, w)
+        s = rows_at(qs, pos_q) @ rows_at(k_hat, pos_k).transpose(-2, -1) + bias  # (B, H, r, s, c, w)
+        m = s.detach().amax(dim=-1)
+        p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0)[..., None])  # 0 where not kept
+        return p @ rows_at(vs, pos_k), p.sum(-1), m
+
+    def _bias(self, pos_q: Tensor, pos_k: Tensor, chunk: Tensor, alone: Tensor, causal: bool,
+              dtype: torch.dtype) -> Tensor:
         """Added to the window scores: −inf where the pair is not in P(i), −log(rounds that found it)
-        where it is (so that a key found by several rounds counts once). (B, H, r, n_c, c, w)."""
-        N, c, r = rank.shape[-1], pos_q.shape[-1], rank.shape[2]
-        n_c, w = pos_q.shape[-2], pos_k.shape[-1]
-        own = torch.eye(c, w, dtype=torch.bool, device=pos_q.device)  # (c, w): slot of i itself
-        if causal:
-            keep = causal_allowed(pos_q[..., :, None], pos_k[..., None, :])  # j ≤ i (padded keys hold N)
-        else:
-            keep = (pos_k < N)[..., None, :].expand(*pos_q.shape, w)
-        others = keep & ~own
-        # Itself only where no round offers anything else.
-        alone = ~unsort(others.any(dim=-1).flatten(-2), rank).any(dim=2)  # (B, H, N)
-        keep = others | (own & gather_rows(alone[..., None], pos_q))  # (B, H, r, n_c, c, w)
+        where it is (so that a key found by several rounds counts once). (B, H, r, s, c, w) for the chunks
+        ``pos_q`` (B, H, r, s, c) with their windows ``pos_k`` (B, H, r, s, w); ``chunk`` (B, H, r, N + 1)
+        is C_t(j) of every position (−2 for the pad), ``alone`` (B, H, N + 1) where i sees only itself."""
+        N, r = alone.shape[-1] - 1, chunk.shape[2]
+        n_c = self.num_chunks(N)
+        own = torch.eye(pos_q.shape[-1], pos_k.shape[-1], dtype=torch.bool, device=pos_q.device)  # slot of i
+        keep = others_of(pos_q, pos_k, N, causal) | (own & rows_at(alone[..., None], pos_q))
         if r == 1 or n_c == 1:  # each kept key found once, or by every round alike
             return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
         # found[t] = 1 (round t itself) + the other rounds t' whose chunks put j in P_t'(i):
         # C_t'(j) = C_t'(i) or C_t'(j) + 1 ≡ C_t'(i) (mod n_c).
-        chunk = F.pad(rank // c, (0, 1), value=-2)  # (B, H, r, N + 1): padded keys match nothing
         found = torch.ones(keep.shape, dtype=torch.uint8, device=keep.device)
         for t in range(r):
             for u in range(r):
@@ -262,6 +288,22 @@ class Reformer(Attention):
                     cj = chunk[:, :, u].gather(-1, pos_k[:, :, t].flatten(2)).view_as(pos_k[:, :, t])[..., None, :]
                     found[:, :, t] += (cj == ci) | ((cj + 1) % n_c == ci)
         return found.to(dtype).log_().neg_().masked_fill_(~keep, float("-inf"))
+
+
+def slice_elements(device: torch.device) -> int:
+    """The most score elements of one slice: the block-sparse engine's GPU tile on CUDA; on CPU 2^22, as
+    many smaller checkpointed slices cost more time than they save memory (2^19: 1.45x the time)."""
+    return CUDA_TILE_ELEMENTS if device.type == "cuda" else 1 << 22
+
+
+def others_of(pos_q: Tensor, pos_k: Tensor, N: int, causal: bool) -> Tensor:
+    """The pairs of P(i) but i itself, before the self rule: (…, c, w) bool for the queries ``pos_q``
+    (…, c) and their windows ``pos_k`` (…, w); padded keys (position N) are never kept."""
+    if causal:
+        keep = causal_allowed(pos_q[..., :, None], pos_k[..., None, :])  # j ≤ i (padded keys hold N)
+    else:
+        keep = (pos_k < N)[..., None, :].expand(*pos_q.shape, pos_k.shape[-1])
+    return keep & ~torch.eye(pos_q.shape[-1], pos_k.shape[-1], dtype=torch.bool, device=pos_q.device)
 
 
 def look_back(x: Tensor, n_c: int, dim: int = -1) -> Tensor:
@@ -273,11 +315,10 @@ def look_back(x: Tensor, n_c: int, dim: int = -1) -> Tensor:
     return torch.cat([x, x.roll(1, dims=dim - 1)], dim=dim)  # roll: chunk C gets chunk C − 1
 
 
-def gather_rows(x: Tensor, pos: Tensor) -> Tensor:
-    """x (B, H, N, D) at positions ``pos`` (B, H, …) with N meaning a zero pad row: (B, H, …, D)."""
-    B, H, N, D = x.shape
-    idx = pos.flatten(2)[..., None].expand(B, H, -1, D)
-    return F.pad(x, (0, 0, 0, 1)).gather(2, idx).view(*pos.shape, D)
+def rows_at(x: Tensor, pos: Tensor) -> Tensor:
+    """x (B, H, M, D) at positions ``pos`` (B, H, …) < M: (B, H, …, D)."""
+    B, H, _, D = x.shape
+    return x.gather(2, pos.flatten(2)[..., None].expand(B, H, -1, D)).view(*pos.shape, D)
 
 
 def unsort(x: Tensor, rank: Tensor) -> Tensor:
