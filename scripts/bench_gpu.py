@@ -237,9 +237,9 @@ def command(ctx: Context, step: Step) -> list[str]:
 
 
 def run_step(ctx: Context, step: Step) -> None:
-    """Runs a step in a process of its own: the orchestrating process holds no GPU memory while it
-    measures (it would move the OOM frontier), and a crash (a segfault, a lost CUDA context) ends that
-    step, not the job. A sweep still running when the budget is spent gets SIGTERM (its job records
+    """Runs a step in a process of its own: the orchestrating process holds none of the step's memory
+    (only the CUDA context of its xformers probe), and a crash (a segfault, a lost CUDA context) ends
+    that step, not the job. A sweep still running when the budget is spent gets SIGTERM (its job records
     interrupted; a rerun resumes it); one of this script's steps keeps to the budget itself."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for attempt in (1, 2):
