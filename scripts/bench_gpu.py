@@ -143,6 +143,11 @@ class Context:
     def done(self, group: str) -> bool:
         return all(self.state.get(s.name) == "complete" for s in self.steps(group))
 
+    @property
+    def skips_cuda(self) -> bool:
+        """What needs CUDA is skipped: this is not a CUDA run."""
+        return self.device.type != "cuda"
+
     def finish(self, name: str, outcome: str) -> None:
         self.state[name] = outcome
         write_json(self.out / "state.json", self.state)
@@ -194,8 +199,9 @@ def a_series(ctx: Context, targets: bool = False) -> list[Step]:
                          *[f"variant.{k}={v}" for k, v in options.items()], *ctx.plan.a]
             if narrowed:
                 overrides = with_seq_lens("seq_len_scaling", overrides, lambda n: n >= ctx.plan.exponent_range[0])
-            series.append((tier, Step("a-targets" if targets else "a", f"{'a-targets' if narrowed else 'a'}:{label}{kind}",
-                                      "seq_len_scaling", tuple(overrides), f"a/{label}")))
+            name = f"{'a-targets' if narrowed else 'a'}:{label}{kind}"
+            series.append((tier, Step("a-targets" if targets else "a", name, "seq_len_scaling", tuple(overrides),
+                                      f"a/{label}")))
     return [step for _, step in sorted(series, key=lambda s: s[0])]  # stable: VARIANTS' order in a tier
 
 
@@ -204,15 +210,17 @@ def d_steps(ctx: Context) -> list[Step]:
     process per pattern, the compiled backends last), then the public kernels and the overhead (d:public)."""
     (B, H, D), N = ctx.plan.shape, ctx.plan.compare_seq_len
     point = [f"seq_lens=[{N}]", f"batch_size={B}", f"num_heads={H}", f"head_dim={D}"]
-    steps = []
-    for label, variant, options in VARIANTS:
-        if label in COMPARED and label in ctx.labels:
-            chosen = sorted((b for b in backends(variant, options, ctx.device) if not n2(variant, b)),
-                            key=lambda b: b in COMPILED)
-            steps.append(Step("d", f"d:{label}", "pattern_compare", (
-                f"variant={variant}", f"variant.backend={','.join(chosen)}",
-                *[f"variant.{k}={v}" for k, v in options.items()], *point), f"d/{label}"))
+    steps = [Step("d", f"d:{label}", "pattern_compare", (
+        f"variant={variant}", f"variant.backend={','.join(compared_backends(ctx, variant, options))}",
+        *[f"variant.{k}={v}" for k, v in options.items()], *point), f"d/{label}")
+        for label, variant, options in VARIANTS if label in COMPARED and label in ctx.labels]
     return [*steps, Step("d", "d:public")]
+
+
+def compared_backends(ctx: Context, variant: str, options: dict[str, Any]) -> list[str]:
+    """The backends part d times for a pattern: every one the device has but the N×N one, compiled last."""
+    chosen = [b for b in backends(variant, options, ctx.device) if not n2(variant, b)]
+    return sorted(chosen, key=lambda b: b in COMPILED)
 
 
 def with_seq_lens(preset: str, overrides: list[str], keep: Callable[[int], bool]) -> list[str]:
@@ -593,20 +601,27 @@ def not_yet(wanted: list[str], have: set[str]) -> str:
 
 
 def analyse(ctx: Context) -> dict[str, Any]:
-    """Every number SUMMARY.md states, from the files in ``out``."""
-    out, plan, cpu = ctx.out, ctx.plan, ctx.device.type != "cuda"
-    a, c = rows_of(out / "a"), rows_of(out / "c")
-    roof = json.loads((out / "roof.json").read_text()) if (out / "roof.json").exists() else {}
-    res: dict[str, Any] = {"roof": roof, "table21": [], "compare": [], "exponents": {}, "targets": []}
+    """Every number SUMMARY.md states, from the files in ``out``, and the targets judged on them."""
+    a, c = rows_of(ctx.out / "a"), rows_of(ctx.out / "c")
+    roof = json.loads((ctx.out / "roof.json").read_text()) if (ctx.out / "roof.json").exists() else {}
+    res: dict[str, Any] = {"roof": roof, "targets": [], "a_rows": len(a), "c_rows": len(c), "tests": gpu_tests(ctx.out)}
+    memory_targets(ctx, a, res)
+    roof_target(ctx, c, res)
+    compare_targets(ctx, res)
+    exponent_targets(ctx, a, res)
+    overhead_target(ctx, res)
+    return res
 
-    # Full math's peak with its inputs (the measured peak over q, k, v, dout, plus those four) against
-    # FA-1 Table 21's formula (four fp16 N×N tensors and ten N×D per (b, h): what FA-1's PyTorch baseline
-    # held) and against this path's own count (three N×N at the softmax backward, P, dP, dS, and on CUDA
-    # the temporary dP∘P of torch's softmax backward; two N×D: the variant's memory_bytes on the row's
-    # device, plus the four inputs): the second checks the measurement, the first compares the programs.
+
+def memory_targets(ctx: Context, a: list[dict[str, Any]], res: dict[str, Any]) -> None:
+    """Full math's peak with its inputs (the measured peak over q, k, v, dout, plus those four) against
+    FA-1 Table 21's formula (four fp16 N×N tensors and ten N×D per (b, h): what FA-1's PyTorch baseline
+    held) and against this path's own count (three N×N at the softmax backward, P, dP, dS, and on CUDA
+    the temporary dP∘P of torch's softmax backward; two N×D: the variant's memory_bytes on the row's
+    device, plus the four inputs): the second checks the measurement, the first compares the programs."""
     import variants
 
-    math_path = variants.build("full", backend="math")
+    math_path, table = variants.build("full", backend="math"), []
     for r in sorted((r for r in a if r["variant"] == "full" and r["backend"] == "math" and r["peak_mem_bytes"]),
                     key=lambda r: r["seq_len"]):
         B, H, N, D = r["batch_size"], r["num_heads"], r["seq_len"], r["head_dim"]
@@ -615,9 +630,10 @@ def analyse(ctx: Context) -> dict[str, Any]:
         measured = r["peak_mem_bytes"] + inputs
         formula = (4 * N * N + 10 * N * D) * B * H * 2
         own = math_path.memory_bytes(B, H, N, D, elt, r["causal"], r["device"]) + inputs
-        res["table21"].append({"seq_len": N, "measured_mib": measured / MiB, "formula_mib": formula / MiB,
-                               "ratio": measured / formula, "own_mib": own / MiB, "own_ratio": measured / own,
-                               "elements_per_head": measured / (B * H * elt), "head_dim": D})
+        table.append({"seq_len": N, "measured_mib": measured / MiB, "formula_mib": formula / MiB,
+                      "ratio": measured / formula, "own_mib": own / MiB, "own_ratio": measured / own,
+                      "elements_per_head": measured / (B * H * elt), "head_dim": D})
+    res["table21"] = table
     # What the measurements say the peak holds: a·N² + c·N·D elements per (b, h), least squares over every N
     fit = res["table21_fit"] = table21_fit(res["table21"])
     held = fit and f"measured = {fit['n2']:.2f}·N² + {fit['nd']:.2f}·N·D elements per (b, h) (fitted over every N)"
@@ -626,7 +642,7 @@ def analyse(ctx: Context) -> dict[str, Any]:
     res["targets"].append(target(
         "table21", "full math peak memory = FA-1 Table 21's 4·B·H·N²·2 + 10·B·H·N·D·2 bytes within 2%",
         worst21 and worst21["ratio"], lambda v: abs(v - 1) <= 0.02,
-        ", ".join(f"N={m['seq_len']}: {m['ratio']:.4f}" for m in res["table21"]), cpu,
+        ", ".join(f"N={m['seq_len']}: {m['ratio']:.4f}" for m in res["table21"]), ctx.skips_cuda,
         lambda v: f"worst N={worst21['seq_len']}: {(v - 1) * 100:+.1f}%; {held}, the formula 4·N² + 10·N·D: "
                   f"{'within 2% at N=' + ', '.join(map(str, within)) if within else 'within 2% at no N'}"))
     worst_own = max(res["table21"], key=lambda m: abs(m["own_ratio"] - 1), default=None)
@@ -634,14 +650,18 @@ def analyse(ctx: Context) -> dict[str, Any]:
         "math_exact", "full math peak memory = its own count, (s·N² + 6·N·D)·B·H elements with the inputs "
                       "(s = 3 on CPU, 4 on CUDA), within 2%",
         worst_own and worst_own["own_ratio"], lambda v: abs(v - 1) <= 0.02,
-        ", ".join(f"N={m['seq_len']}: {m['own_ratio']:.4f}" for m in res["table21"]), cpu,
+        ", ".join(f"N={m['seq_len']}: {m['own_ratio']:.4f}" for m in res["table21"]), ctx.skips_cuda,
         lambda v: f"worst N={worst_own['seq_len']}: {(v - 1) * 100:+.1f}%; {held}"))
 
-    n, d = plan.roof_target
+
+def roof_target(ctx: Context, c: list[dict[str, Any]], res: dict[str, Any]) -> None:
+    """Full's best forward TFLOP/s at the roof target's point against the bf16 matmul roof, and every full
+    backend's TFLOP/s at the FA-2/FA-3 shape's longest N."""
+    n, d = ctx.plan.roof_target
     fwd = [(r["backend"], r["tflops_fwd"]) for r in c if r["seq_len"] == n and r["head_dim"] == d
            and not r["causal"] and r["tflops_fwd"] and r["status"] == "ok" and not r.get("noisy")]
     best = max(fwd, key=lambda x: x[1], default=None)
-    rate = (roof.get("tflops") or {}).get("bfloat16")
+    rate = (res["roof"].get("tflops") or {}).get("bfloat16")
     share = best[1] / rate if best and rate else None
     # Judged once every full backend has its row there (measured or not): not on the first ones timed
     waiting = not_yet(backends("full", {}, ctx.device),
@@ -649,31 +669,35 @@ def analyse(ctx: Context) -> dict[str, Any]:
     res["targets"].append(target(
         "full_roof", f"full's best backend >= 60% of the bf16 matmul roof, forward, N={n}, D={d}, non-causal",
         None if waiting else share, lambda v: v >= 0.6,
-        "; ".join(filter(None, [best and f"{best[0]} {best[1]:.1f} TFLOP/s vs roof {fmt(rate)}", waiting])), cpu,
+        "; ".join(filter(None, [best and f"{best[0]} {best[1]:.1f} TFLOP/s vs roof {fmt(rate)}", waiting])),
+        ctx.skips_cuda,
         lambda v: f"{(0.6 - v) * rate:.1f} TFLOP/s short of 60% ({v:.1%} of the roof)"))
-
-    # Every full backend at the FA-2/FA-3 shape's longest N: useful TFLOP/s (FA-2's convention: causal
-    # counts half the pairs; the math paths compute all of them) and the share of the roof.
+    # Useful TFLOP/s (FA-2's convention: causal counts half the pairs; the math paths compute all of them)
     res["fa2"] = [{"backend": r["backend"], "head_dim": r["head_dim"], "causal": r["causal"], "status": r["status"],
                    "noisy": r.get("noisy"), **{p: r.get(f"tflops_{p}_useful") for p in ("fwd", "bwd", "fwd_bwd")},
                    "fwd_share": r["tflops_fwd_useful"] / rate if rate and r.get("tflops_fwd_useful") else None}
                   for r in sorted((r for r in c if r["seq_len"] == n),
                                   key=lambda r: (r["head_dim"], r["causal"], -(r.get("tflops_fwd_useful") or 0)))]
 
-    # d: our backends' rows (harness sweeps, d/<label>/) against the public kernels' (compare.jsonl). (The
-    # first layout of part d timed ours in this script too: compare.jsonl's rows of kind "ours".)
-    compare, public = side_rows(out / "d" / "compare.jsonl"), public_list(ctx)
-    done = {s.name for s in ctx.steps("d") if ctx.state.get(s.name) == "complete"} | {n for _, n in d_done(compare)}
-    res["compare_rows"] = []
-    for label in (lb for lb in COMPARED if lb in ctx.labels):
+
+def compare_targets(ctx: Context, res: dict[str, Any]) -> None:
+    """Part d: our backends' rows (harness sweeps, d/<label>/) against the public kernels' (compare.jsonl;
+    the first layout of part d timed ours there too, as rows of kind "ours")."""
+    res["compare"], res["compare_rows"] = [], []
+    compare, public = side_rows(ctx.out / "d" / "compare.jsonl"), public_list(ctx)
+    done = {n for _, n in d_done(compare)}
+    for label, variant, options in VARIANTS:
+        if label not in COMPARED or label not in ctx.labels:
+            continue
         rows = [{"label": label, "kind": "ours", "name": f"ours {r['backend']}", "status": r["status"],
                  "fwd_bwd_ms": r["fwd_bwd_ms"], "first_call_s": r["warmup_s"], "block_mask_s": None,
-                 "reason": r["reason"] or r.get("noise_reasons")} for r in rows_of(out / "d" / label)]
+                 "reason": r["reason"] or r.get("noise_reasons")} for r in rows_of(ctx.out / "d" / label)]
         rows += [r for r in compare if r["label"] == label]
         res["compare_rows"] += rows
-        # Judged once each of the pattern's sweeps and public kernels is done, not on the first ones timed
-        waiting = not_yet([s.name for s in ctx.steps("d") if s.name.split(":")[1] == label] +
-                          [name for lb, name, *_ in public if lb == label], done)
+        # Judged once each of the pattern's backends has its row (ok or not) and each public kernel is done,
+        # not on the first ones timed
+        waiting = not_yet([f"ours {b}" for b in compared_backends(ctx, variant, options)] +
+                          [name for lb, name, *_ in public if lb == label], done | {r["name"] for r in rows})
         ok = [r for r in rows if r["status"] == "ok" and r["fwd_bwd_ms"]]
         ours = min((r for r in ok if r["kind"] == "ours"), key=lambda r: r["fwd_bwd_ms"], default=None)
         pub = min((r for r in ok if r["kind"] == "public"), key=lambda r: r["fwd_bwd_ms"], default=None)
@@ -693,10 +717,17 @@ def analyse(ctx: Context) -> dict[str, Any]:
             None if waiting else ratio, lambda v: v >= 0.9,
             f"{fmt(ours and ours['name'])} vs {fmt(pub and pub['name'])}: {fmt(ratio)}; our own kernel "
             f"({fmt(own and own['name'])}): {fmt(own_ratio)}" + (f"; {waiting}" if waiting else ""),
-            cpu and ratio is None and not waiting,
+            ctx.skips_cuda and ratio is None and not waiting,
             lambda v: f"ours takes {1 / v:.2f}x the public kernel's time"))
 
-    lo, hi = plan.exponent_range
+
+def exponent_targets(ctx: Context, a: list[dict[str, Any]], res: dict[str, Any]) -> None:
+    """Each exponent target's variant: its backends' fitted time exponents over the range, judged on the
+    backend fastest at the range's last length."""
+    import variants
+
+    lo, hi = ctx.plan.exponent_range
+    res["exponents"] = {}
     for label in (t for t in EXPONENT_TARGETS if t in variants.REGISTRY and t in ctx.labels):
         # A backend is fitted only with every length of the range measured, ok and not noisy (a fit over
         # what is left of it could pass on two points); the target is judged on the backend fastest at hi.
@@ -728,17 +759,18 @@ def analyse(ctx: Context) -> dict[str, Any]:
             lambda v: v <= 1.1, "; ".join(filter(None, [fastest and fastest[0], detail, waiting])), False,
             lambda v: f"{v - 1.1:+.3f} above 1.1"))
 
-    ov = json.loads((out / "d" / "overhead.json").read_text()) if (out / "d" / "overhead.json").exists() else {}
+
+def overhead_target(ctx: Context, res: dict[str, Any]) -> None:
+    """The harness's timing against raw do_bench of the same callable (d/overhead.json)."""
+    ov = json.loads((ctx.out / "d" / "overhead.json").read_text()) if (ctx.out / "d" / "overhead.json").exists() else {}
     vals = [(f"{cs['variant']}/{cs['backend']} {p}", cs[p]["overhead"]) for cs in ov.get("cases", [])
             if cs["status"] == "ok" for p in ("fwd", "fwd_bwd") if cs[p]["overhead"] is not None]
     worst = max(vals, key=lambda x: abs(x[1]), default=None)  # faster than raw would be a discrepancy too
     res["overhead"] = ov
     res["targets"].append(target(
         "overhead", "the harness's timing within 3% of raw do_bench of the same callable", worst and worst[1],
-        lambda v: abs(v) <= 0.03, ", ".join(f"{k}: {v:+.2%}" for k, v in vals), cpu,
+        lambda v: abs(v) <= 0.03, ", ".join(f"{k}: {v:+.2%}" for k, v in vals), ctx.skips_cuda,
         lambda v: f"{worst[0]}: {v:+.2%}"))
-    res["a_rows"], res["c_rows"], res["tests"] = len(a), len(c), gpu_tests(out)
-    return res
 
 
 def table21_fit(points: list[dict[str, Any]]) -> dict[str, float] | None:

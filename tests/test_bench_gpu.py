@@ -447,6 +447,12 @@ def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_
     ctx = mod.Context(mod.SMOKE_PLAN, bench, torch.device("cpu"), None, print, list(LABELS))
     lin = {t["target"]: t for t in mod.analyse(ctx)["targets"]}["exponent_linear"]
     assert lin["status"] == "not measured" and lin["detail"].endswith("not yet measured: math"), lin
+    # A comparison waits for each of our backends' rows too, whatever its sweep's exit said
+    for path in (bench / "d" / "blockwise-local").rglob("results.jsonl"):
+        path.write_text("")
+    bl = {t["target"]: t for t in mod.analyse(ctx)["targets"]}["compare_blockwise-local"]
+    want = ", ".join(f"ours {b}" for b in mod.compared_backends(ctx, "blockwise", {"mode": "local"}))
+    assert bl["status"] == "not measured" and f"not yet measured: {want}, " in bl["detail"], bl
 
 
 def test_gpu_job_help_prints_its_usage_and_an_unknown_argument_is_one_line(tmp_path):
