@@ -1,21 +1,21 @@
 """GPU benchmark: the harness's own sweeps at the FlashAttention papers' shapes, then what a sweep cannot
 measure (the matmul roof, public kernels, the harness's overhead) and the targets.
 
-    python scripts/bench_gpu.py [--out DIR] [--budget-s S] [--steps roof,c-targets,a-targets,d,c,a] [--smoke]
+    python scripts/bench_gpu.py [--out DIR] [--budget-s S] [--steps roof,c-targets,d,a-targets,c,a] [--smoke]
     python scripts/bench_gpu.py --summary-only --out DIR   # SUMMARY.md, summary.json, reports again (on any
                                                            # machine: judged as on the one that measured)
 
 Steps, what the targets need first (a job spread over short calls has them early). Each is made of
-harness sweeps of the presets in conf/sweep/, except roof and d's public kernels, which this script runs
-in a process of its own:
+harness sweeps of the presets in conf/sweep/, except roof, d's overhead and public kernels, which this
+script runs in a process of its own:
   roof       n×n×n torch.matmul in bf16 and fp16, triton.testing.do_bench median -> roof.json
   c-targets  fa2_full at the roof target's point (N=16K, D=128, non-causal), every full backend -> c/
+  d          the harness's timing against raw do_bench of the same callable -> d/overhead.json;
+             pattern_compare: each efficient variant whose pattern a public kernel computes, every backend
+             -> d/<variant>/; at the same point the public kernels (raw xformers, raw FlexAttention with the
+             pattern's mask_mod, SDPA on blocks; first call and BlockMask timed apart) -> d/compare.jsonl
   a-targets  seq_len_scaling for full's math (Table 21), and for the exponent targets' variants from the
              fit's first length (4K) -> a/<variant>/
-  d          pattern_compare: each efficient variant whose pattern a public kernel computes, every backend
-             -> d/<variant>/; at the same point the public kernels (raw xformers, raw FlexAttention with the
-             pattern's mask_mod, SDPA on blocks; first call and BlockMask timed apart) -> d/compare.jsonl, and
-             the harness's timing against raw do_bench of the same callable -> d/overhead.json
   c          fa2_full at every N, D and causal (c-targets' points are not measured again)
   a          seq_len_scaling (FA-1 shape: B=16, H=8, D=64, fp16, N=128…65536), every variant with every
              backend the device has: a series stops at its first oom (the OOM frontier) -> a/<variant>/
@@ -60,9 +60,10 @@ from harness.env import now  # noqa: E402
 from harness.results import InputError, atomic_write, fit_exponents, latest, load_rows, read_jsonl, write_json  # noqa: E402
 
 MiB = 2**20
-STEPS = ("roof", "c-targets", "a-targets", "d", "c", "a")
+STEPS = ("roof", "c-targets", "d", "a-targets", "c", "a")
 NEEDS_CUDA = "skipped: needs CUDA"
 BUDGET_SPENT = 3  # the exit status of a step of this script's own that the budget stopped (not a failure)
+CHILDREN = ("roof", "d:overhead", "d:public")  # the steps this script runs itself (in a process of their own)
 # (label, variant, options): part a's series and the comparisons' variants.
 VARIANTS = [("full", "full", {}), ("sliding_window", "sliding_window", {}), ("linear", "linear", {}),
             ("blockwise-local", "blockwise", {"mode": "local"}), ("sparse-fixed", "sparse", {"pattern": "fixed"}),
@@ -115,7 +116,7 @@ SMOKE_PLAN = Plan(smoke=True, a=["seq_lens=[128,256]", "batch_size=1", "num_head
 @dataclass(frozen=True)
 class Step:
     """One resumable piece of the job: a harness sweep of conf/sweep/<preset>.yaml into <out>/<directory>,
-    or (no preset) a step of this script run in a process of its own (roof, d:public)."""
+    or (no preset) a step of this script run in a process of its own (roof, d:overhead, d:public)."""
     group: str  # what --steps names (STEPS)
     name: str  # its entry in state.json: "complete" once done
     preset: str | None = None
@@ -167,8 +168,9 @@ def plan_steps(ctx: Context) -> list[Step]:
     full = [f"variant.backend={','.join(backends('full', {}, ctx.device))}", *ctx.plan.c]
     roof_point = [o for o in with_seq_lens("fa2_full", full, lambda x: x == n)
                   if not o.startswith(("head_dim=", "causal="))] + [f"head_dim={d}", "causal=false"]
-    return [Step("roof", "roof"), Step("c-targets", "c-targets", "fa2_full", tuple(roof_point), "c"),
-            *a_series(ctx, targets=True), *d_steps(ctx), Step("c", "c", "fa2_full", tuple(full), "c"), *a_series(ctx)]
+    steps = [Step("roof", "roof"), Step("c-targets", "c-targets", "fa2_full", tuple(roof_point), "c"), *d_steps(ctx),
+             *a_series(ctx, targets=True), Step("c", "c", "fa2_full", tuple(full), "c"), *a_series(ctx)]
+    return sorted(steps, key=lambda s: STEPS.index(s.group))  # stable
 
 
 def a_series(ctx: Context, targets: bool = False) -> list[Step]:
@@ -178,8 +180,8 @@ def a_series(ctx: Context, targets: bool = False) -> list[Step]:
     (5: full's sdpa_math among them). A variant's compiled backends are a sweep of their own (step
     <label>:compiled, the same job directories), so a call cut short by its budget has not spent it
     compiling one variant's kernels while another's series waits. ``targets``: tiers 0 to 2 only, for
-    a-targets, which runs before part d. There tiers 1 and 2 are narrowed to the exponent fit's lengths,
-    sweeps of their own (a-targets:<label>...); tier 0 is part a's own sweep (a:full:table21), not run twice."""
+    a-targets. There tiers 1 and 2 are narrowed to the exponent fit's lengths, sweeps of their own
+    (a-targets:<label>...); tier 0 is part a's own sweep (a:full:table21), not run twice."""
     import variants
 
     series = []
@@ -206,15 +208,16 @@ def a_series(ctx: Context, targets: bool = False) -> list[Step]:
 
 
 def d_steps(ctx: Context) -> list[Step]:
-    """Part d: each compared variant with its backends at the comparison's point (pattern_compare; one
-    process per pattern, the compiled backends last), then the public kernels and the overhead (d:public)."""
+    """Part d: the overhead (seconds, a target), each compared variant with its backends at the
+    comparison's point (pattern_compare; one process per pattern, the compiled backends last), then the
+    public kernels (d:public)."""
     (B, H, D), N = ctx.plan.shape, ctx.plan.compare_seq_len
     point = [f"seq_lens=[{N}]", f"batch_size={B}", f"num_heads={H}", f"head_dim={D}"]
     steps = [Step("d", f"d:{label}", "pattern_compare", (
         f"variant={variant}", f"variant.backend={','.join(compared_backends(ctx, variant, options))}",
         *[f"variant.{k}={v}" for k, v in options.items()], *point), f"d/{label}")
         for label, variant, options in VARIANTS if label in COMPARED and label in ctx.labels]
-    return [*steps, Step("d", "d:public")]
+    return [Step("d", "d:overhead"), *steps, Step("d", "d:public")]
 
 
 def compared_backends(ctx: Context, variant: str, options: dict[str, Any]) -> list[str]:
@@ -458,8 +461,7 @@ def d_done(rows: list[dict[str, Any]]) -> set[tuple[str, str]]:
 
 
 def part_public(ctx: Context) -> int:
-    """The overhead (a target, and seconds), then each public kernel not yet done; 0 once all are."""
-    overhead(ctx)
+    """Each public kernel not yet done; 0 once all are."""
     path = ctx.out / "d" / "compare.jsonl"
     have = d_done(side_rows(path))
     for label, name, _, build in public_list(ctx):
@@ -498,17 +500,16 @@ def raw_timer(device: torch.device) -> Callable[[Callable[[], Any], int, list[to
     return cpu
 
 
-def overhead(ctx: Context) -> None:
+def part_overhead(ctx: Context) -> int:
     """The harness's fwd and fwd_bwd medians against raw do_bench of the same callable and shape (raw
     before and after the harness; their mean is the reference). On CPU the same code runs the cases
     whose backend runs there, against torch.utils.benchmark: the dry run's check of the path, no target."""
-    path = ctx.out / "d" / "overhead.json"
-    if path.exists():
-        return
     import variants
 
     from harness.memory import release_memory
     from harness.run import run
+
+    (ctx.out / "d").mkdir(parents=True, exist_ok=True)
 
     (B, H, D), N, rep = ctx.plan.shape, ctx.plan.overhead_seq_len, 100
     dtype, raw_ms = ctx.plan.dtype if ctx.device.type == "cuda" else "float32", raw_timer(ctx.device)
@@ -553,9 +554,10 @@ def overhead(ctx: Context) -> None:
             case.update(status="error", reason=one_line(f"{type(e).__name__}: {e}")[:300])
         release_memory(ctx.device)
         cases.append(case)
-        ctx.log(f"[d] overhead {variant}/{backend}: {case}")
-    write_json(path, {"status": "ok", "timer": f"{'do_bench' if ctx.device.type == 'cuda' else 'blocked_autorange'}"
+        ctx.log(f"[d:overhead] {variant}/{backend}: {case}")
+    write_json(ctx.out / "d" / "overhead.json", {"status": "ok", "timer": f"{'do_bench' if ctx.device.type == 'cuda' else 'blocked_autorange'}"
                       f"(median, rep={rep} ms)", "cases": cases, "date": now()})
+    return 0
 
 
 # ----- summary -------------------------------------------------------------------------------------
@@ -927,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, float32 on CPU: the orchestration end to end")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite SUMMARY.md, summary.json and reports")
     ap.add_argument("--pending", action="store_true", help="print the steps not complete in --out and exit")
-    ap.add_argument("--child", choices=("roof", "d:public"), help=argparse.SUPPRESS)  # run_step's process
+    ap.add_argument("--child", choices=CHILDREN, help=argparse.SUPPRESS)  # run_step's process
     args = ap.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
     chosen = [v for v in args.variants.split(",") if v]
@@ -958,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(s for s in steps if not ctx.done(s)))
         return 0
     if args.child:
-        return {"roof": part_roof, "d:public": part_public}[args.child](ctx)
+        return {"roof": part_roof, "d:overhead": part_overhead, "d:public": part_public}[args.child](ctx)
     if not args.summary_only:
         record_invocation(ctx, steps)
         ctx.log(f"bench_gpu: steps {','.join(steps)} on {device} -> {out}")

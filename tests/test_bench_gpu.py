@@ -58,7 +58,7 @@ def test_the_job_completes_and_brings_back_a_few_files(smoke):
     assert "bench/SUMMARY.md" in names and "bench/summary.json" in names and "bench/d/compare.jsonl" in names
     state = json.loads((tmp / "bench" / "state.json").read_text())
     assert set(state.values()) == {"complete"}
-    assert {"roof", "c", "d:blockwise-local", "d:public", "a:full", "a:full:table21", "a:full:n2"} <= set(state)
+    assert {"roof", "c", "d:overhead", "d:blockwise-local", "d:public", "a:full", "a:full:table21", "a:full:n2"} <= set(state)
     # c-targets measured the roof target's point in the job directories step c then completed: one series
     # per (backend, D, causal), each point once
     jobs = sorted((tmp / "bench" / "c").rglob("results.jsonl"))
@@ -266,7 +266,7 @@ def test_what_the_targets_need_runs_first(tmp_path):
     import torch
 
     bench = load_bench()
-    assert bench.STEPS == ("roof", "c-targets", "a-targets", "d", "c", "a")
+    assert bench.STEPS == ("roof", "c-targets", "d", "a-targets", "c", "a")
     labels = [label for label, _, _ in bench.VARIANTS]
     ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cpu"), None, print, labels)
     assert [s.group for s in ctx.steps()] == sorted((s.group for s in ctx.steps()), key=bench.STEPS.index)
@@ -370,13 +370,13 @@ def test_compiled_backends_run_after_every_kernel_that_does_not_compile_in_their
     for step in ctx.steps("a-targets"):  # each from the fit's first length, into the variant's directory
         assert step.overrides[-1] == "seq_lens=[4096,8192,16384,32768,65536]"
         assert step.directory == f"a/{step.name.split(':')[1]}"
-    # d: the compared variants' backends but the N×N one at the comparison's point, the compiled ones last
-    # (a process per pattern), then the public kernels
+    # d: the overhead, the compared variants' backends but the N×N one at the comparison's point, the
+    # compiled ones last (a process per pattern), then the public kernels
     assert [(s.name, s.preset and chosen(s)) for s in ctx.steps("d")] == [
-        ("d:sliding_window", ["blocksparse", "xformers", "flex"]), ("d:sparse-fixed", ["blocksparse", "xformers", "flex"]),
-        ("d:public", None)]
-    assert ctx.steps("d")[1].overrides[-4:] == ("seq_lens=[16384]", "batch_size=16", "num_heads=8", "head_dim=64")
-    assert "variant.pattern=fixed" in ctx.steps("d")[1].overrides and ctx.steps("d")[1].directory == "d/sparse-fixed"
+        ("d:overhead", None), ("d:sliding_window", ["blocksparse", "xformers", "flex"]),
+        ("d:sparse-fixed", ["blocksparse", "xformers", "flex"]), ("d:public", None)]
+    assert ctx.steps("d")[2].overrides[-4:] == ("seq_lens=[16384]", "batch_size=16", "num_heads=8", "head_dim=64")
+    assert "variant.pattern=fixed" in ctx.steps("d")[2].overrides and ctx.steps("d")[2].directory == "d/sparse-fixed"
     # c-targets: the roof target's point alone (the smoke plan's grid of D narrowed too)
     for plan, d in ((bench.GPU_PLAN, 128), (bench.SMOKE_PLAN, 32)):
         (step,) = bench.Context(plan, tmp_path, torch.device("cuda"), None, print, labels).steps("c-targets")
