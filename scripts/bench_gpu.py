@@ -302,7 +302,7 @@ def part_roof(ctx: Context) -> int:
     return 0
 
 
-# ----- d: public kernels and the harness's overhead, in one process --------------------------------
+# ----- d: the harness's overhead and the public kernels (steps of this script's own) ----------------
 
 class Unavailable(Exception):
     """A public kernel that cannot run here (reason: one line)."""

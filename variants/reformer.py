@@ -229,10 +229,10 @@ class Reformer(Attention):
             # Sorted order padded to n_c·c slots with position N: a key never kept, a query dropped.
             pos_q = F.pad(perm, (0, n_c * c - N), value=N).unflatten(-1, (n_c, c))  # (B, H, r, n_c, c)
             pos_k = look_back(pos_q, n_c)  # (B, H, r, n_c, w): its chunk, then the one before
-            # Slices of chunks (every round) whose c × w score tiles hold about SLICE_ELEMENTS together
+            # Slices of chunks (every round) whose c × w score tiles hold about slice_elements together
             step = max(1, slice_elements(q.device) // (B * H * r * c * pos_k.shape[-1]))
             slices = [slice(s, s + step) for s in range(0, n_c, step)]
-            # Itself only where no round offers anything else: (B, H, N)
+            # Itself only where no round offers anything else: (B, H, N + 1), the pad row False
             offers = torch.cat([others_of(pos_q[:, :, :, s], pos_k[:, :, :, s], N, causal).any(dim=-1)
                                 for s in slices], dim=3)  # (B, H, r, n_c, c)
             alone = F.pad(~unsort(offers.flatten(-2), rank).any(dim=2), (0, 1))  # (B, H, N + 1)
