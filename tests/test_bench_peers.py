@@ -30,7 +30,10 @@ def test_ctrl_c_is_one_line_and_keeps_the_pairs_measured(tmp_path):
     """It was a KeyboardInterrupt's traceback. results.json is written after every pair: the first stays."""
     cmd = [sys.executable, str(SCRIPT), "--seq-lens", "256", "--min-run-time", "0.3", "--rounds", "1",
            "--out", str(tmp_path), "--only", "sparse_fixed", "blockwise_exact"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # SIGINT as a terminal's foreground process has it: a suite started in the background (`cmd &` in a
+    # script) ignores SIGINT, and a Python started ignoring it keeps ignoring it (no KeyboardInterrupt)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (tmp_path / "results.json").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
