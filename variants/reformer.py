@@ -198,7 +198,7 @@ class Reformer(Attention):
         o, a = self.options, max(element_size, 4)
         n_c, w = self.num_chunks(N), self.window(N)
         padded, per_chunk = n_c * o.bucket_size, B * H * o.n_hashes * o.bucket_size * w
-        sliced = min(n_c, max(1, slice_elements(torch.device(device or "cpu")) // per_chunk)) * per_chunk
+        sliced = min(n_c, max(1, slice_elements(device) // per_chunk)) * per_chunk
         return (a * B * H * (4 * o.n_hashes * padded * D + 7 * N * D) + 8 * B * H * o.n_hashes * padded
                 + a * sliced * (4 * w + 3 * D) // w)
 
@@ -290,10 +290,11 @@ class Reformer(Attention):
         return found.to(dtype).log_().neg_().masked_fill_(~keep, float("-inf"))
 
 
-def slice_elements(device: torch.device) -> int:
-    """The most score elements of one slice: the block-sparse engine's GPU tile on CUDA; on CPU 2^22, as
-    many smaller checkpointed slices cost more time than they save memory (2^19: 1.45x the time)."""
-    return CUDA_TILE_ELEMENTS if device.type == "cuda" else 1 << 22
+def slice_elements(device: torch.device | str | None) -> int:
+    """The most score elements of one slice on ``device`` (None: CPU): the block-sparse engine's GPU tile on
+    CUDA; on CPU 2^22, as many smaller checkpointed slices cost more time than they save memory (2^19:
+    1.45x the time)."""
+    return CUDA_TILE_ELEMENTS if device is not None and torch.device(device).type == "cuda" else 1 << 22
 
 
 def others_of(pos_q: Tensor, pos_k: Tensor, N: int, causal: bool) -> Tensor:
