@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 # What the signal handlers use, imported before they are installed: a handler imports nothing (it may run
 # inside torch's import, which harness.run's would re-enter), and this module imports no torch.
-from harness.signals import PENDING_INTERRUPTS, Terminated, TimeLimit, raise_pending_interrupt
+from harness.signals import PENDING_INTERRUPTS, Terminated, TimeLimit, deferred, raise_pending_interrupt
 
 
 # The output directories of the runs this command started: an interrupt outside a run says what they kept.
@@ -104,13 +104,15 @@ def terminate(signum, frame) -> None:
 
     kind = TimeLimit if signum == signal.SIGUSR2 else Terminated
     PENDING_INTERRUPTS.append(kind)  # raised again at the run's next phase, should this one be lost
-    raise kind()
+    if not deferred(kind):
+        raise kind()
 
 
 def interrupt(signum, frame) -> None:
     """SIGINT (Ctrl-C): Python's own KeyboardInterrupt, remembered as SIGTERM's is."""
     PENDING_INTERRUPTS.append(KeyboardInterrupt)
-    raise KeyboardInterrupt()
+    if not deferred(KeyboardInterrupt):
+        raise KeyboardInterrupt()
 
 
 def main() -> None:

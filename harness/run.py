@@ -28,7 +28,7 @@ from .memory import device_lost, is_out_of_memory, release_memory
 from .quality import quality, task_config, task_options
 from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, TASK_OPT_PREFIX, JobStatus, LockedError, Result,
                       ResultStore, Sink, Sweep, fit_exponents, machine, point_key, series_key, tflops, write_json)
-from .signals import PENDING_INTERRUPTS, Terminated, TimeLimit, raise_pending_interrupt  # noqa: F401
+from .signals import PENDING_INTERRUPTS, Terminated, TimeLimit, interrupts_deferred, raise_pending_interrupt  # noqa: F401
 
 
 def resolve_device(name: str) -> torch.device:
@@ -238,10 +238,11 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
                 row = run_point(attn, settings, seq_len, device, environment, budget, stop=stop, on_phase=on_phase,
                                 task_log=task_log, task_cache=task_cache,
                                 measure=team.measure if team else measure_quietest)
-                for sink in sinks:
-                    sink.add(row)
-                series_rows[key] = row.record()
-                done.append(row)
+                with interrupts_deferred():  # every sink has the row, and it counts as done, or none has it
+                    for sink in sinks:
+                        sink.add(row)
+                    series_rows[key] = row.record()
+                    done.append(row)
                 if LOST:
                     raise RunFailed(device_gone_message(len(done), len(wanted)))
             raise_pending_interrupt()

@@ -6,6 +6,8 @@ instead of the one line and exit code of an interrupt. harness.run takes these n
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 
 class Terminated(KeyboardInterrupt):
     """Raised by the command line's SIGTERM handler, so that a cancelled job ends like Ctrl-C."""
@@ -31,3 +33,29 @@ PENDING_INTERRUPTS: list[type[KeyboardInterrupt]] = []
 def raise_pending_interrupt() -> None:
     if PENDING_INTERRUPTS:
         raise PENDING_INTERRUPTS[-1]()
+
+
+# For each open ``interrupts_deferred`` block, innermost last, how many interrupts landed inside it.
+_DEFERRED: list[int] = []
+
+
+def deferred(kind: type[KeyboardInterrupt]) -> bool:
+    """Called by a handler: whether the interrupt ``kind`` waits for the end of the open
+    ``interrupts_deferred`` block (the first one does; a second one ends the run at once, as a stuck block
+    would otherwise hold it)."""
+    if not _DEFERRED or _DEFERRED[-1]:
+        return False
+    _DEFERRED[-1] += 1
+    return True
+
+
+@contextmanager
+def interrupts_deferred():
+    """An interrupt landing inside the block is raised at its end: a measured row is written, logged,
+    shown and counted, or (interrupted before the block) none of that."""
+    _DEFERRED.append(0)
+    try:
+        yield
+    finally:
+        _DEFERRED.pop()
+    raise_pending_interrupt()

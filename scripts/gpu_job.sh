@@ -7,7 +7,7 @@
 #    is reachable and copy wheels/ with the repository; they are installed here with --no-index into
 #    /tmp/site (put on PYTHONPATH; the node's own torch, CUDA and triton are used as they are).
 # 2. Prints nvidia-smi and the versions of torch, CUDA, triton, xformers, hydra and wandb.
-# 3. Runs the GPU tests (`pytest -m gpu`: every GPU backend against the float64 reference; -n 8 where
+# 3. Runs the GPU tests (`pytest -m gpu`: every GPU backend against the float64 reference; -n 8 --dist load where
 #    pytest-xdist is installed) within what the call has left but 200 s (at most 300 s). Each outcome goes
 #    to <results>/tests-gpu.jsonl as it is known; the next call runs only the tests it lacks.
 # 4. Runs scripts/bench_gpu.py --out <results> within what is left of JOB_BUDGET_S (default 480 s): the
@@ -187,7 +187,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ] && [ ! -f "$BENCH_DIR/tests-gpu.rc" ]; then
         # Eight test processes where pytest-xdist is installed: most of the time is FlexAttention's
         # compilation (one per N, dtype and mask), which one process does one at a time; with two compile
         # workers each they keep to about 16 cores. At the limit pytest gets SIGINT.
-        XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${TEST_WORKERS:-8}")
+        # Test by test (--dist load), not the CPU suite's module by module: the GPU tests are mostly one
+        # module's. Without pytest-xdist, one process and the project's -n option taken out of addopts.
+        XDIST=(-o "addopts=-ra"); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${TEST_WORKERS:-8}" --dist load)
         echo "== python -m pytest -q -m gpu ${XDIST[*]} (limit ${T} s; $([ -f "$OUTCOMES" ] && wc -l < "$OUTCOMES" || echo 0) outcomes from earlier calls)"
         echo "== gpu_job $(date -u +%FT%TZ): pytest -m gpu ${XDIST[*]}, limit ${T} s" >> "$BENCH_DIR/tests-gpu.log"
         TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2} timeout -s INT -k 30 "$T" \

@@ -27,6 +27,13 @@ def pytest_configure(config):
     Set here, before anything initialises CUDA (importing torch does not)."""
     if not re.search(r"(?<!not )\bgpu\b", config.getoption("markexpr") or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if hasattr(config, "workerinput"):
+        # A pytest-xdist worker: the workers share the cores, not each all of them. The harness processes
+        # its tests start take the same count (OMP_NUM_THREADS), so that their rows and the ones a test
+        # writes itself are of one machine (resume measures again a point another machine measured).
+        threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
     path = config.getoption("outcomes")
     if path and not hasattr(config, "workerinput"):  # written by one process: pytest-xdist's controller
         config.pluginmanager.register(Outcomes(Path(path)), "outcomes")

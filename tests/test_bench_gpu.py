@@ -497,7 +497,7 @@ def test_a_test_run_with_outcomes_goes_on_where_the_last_one_stopped(tmp_path):
     first, second = "test_xformers_full_causal_bias_is_j_le_i", "test_xformers_sliding_window_bias_classes"
 
     def pytest(selection: str, rc: int = 0) -> str:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--outcomes",
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "--outcomes",
                                str(outcomes), "-k", selection, "tests/test_gpu_backends.py"], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == rc, proc.stdout[-2000:]

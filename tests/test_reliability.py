@@ -406,6 +406,35 @@ def test_an_interrupt_lost_in_a_finalizer_still_ends_the_run(tmp_path):
     assert lines_of(tmp_path / "results.jsonl") == []
 
 
+def test_an_interrupt_while_a_row_is_handed_on_waits_until_every_sink_has_it(tmp_path, monkeypatch):
+    """Ctrl-C landing after the row is written but before it is counted (status.json) waits for the count:
+    the run says 1 of 2 points, as results.jsonl has (it said 0). A second Ctrl-C there ends it at once."""
+    from harness import run as runmod
+    from harness.__main__ import interrupt
+    from harness.signals import interrupts_deferred
+
+    add = JobStatus.add
+
+    def add_after_ctrl_c(self, row):
+        interrupt(signal.SIGINT, None)  # as the command line's handler runs when the signal lands here
+        add(self, row)
+    monkeypatch.setattr(JobStatus, "add", add_after_ctrl_c)
+    try:
+        with pytest.raises(runmod.RunInterrupted) as e:
+            runmod.run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=tmp_path)
+        assert e.value.message.startswith("interrupted (Ctrl-C) after 1 of 2 points"), e.value.message
+        status = json.loads((tmp_path / "status.json").read_text())
+        assert (status["state"], status["points_done"]) == ("interrupted", 1)
+        assert len(lines_of(tmp_path / "results.jsonl")) == 1
+        runmod.PENDING_INTERRUPTS.clear()
+        with pytest.raises(KeyboardInterrupt), interrupts_deferred():
+            interrupt(signal.SIGINT, None)  # deferred
+            with pytest.raises(KeyboardInterrupt):
+                interrupt(signal.SIGINT, None)  # the second: at once
+    finally:
+        runmod.PENDING_INTERRUPTS.clear()
+
+
 def test_an_interrupt_between_runs_does_not_say_nothing_was_measured():
     """A sweep's Ctrl-C between two jobs (no run measuring) keeps what the finished jobs measured."""
     from harness.__main__ import interrupted_outside_a_run
