@@ -8,7 +8,9 @@ Workload: B=1, H=4, D=64, float32, non-causal, each variant at its defaults (ful
 and on SDPA). Each point is measured in --rounds rounds (separate processes, minutes apart) and the
 median round kept. Writes <out>/<name>/results.{jsonl,csv}, env.json, fit.json per variant (its later
 rounds in <out>/<name>/round-<r>/), and the combined <out>/results.csv (the kept rows), <out>/fit.json and
-<out>/SUMMARY.md (tables, fitted exponents, targets, the rounds' spread).
+<out>/SUMMARY.md (tables, fitted exponents, targets, the rounds' spread). The combined files hold every
+variant <out> has rows of from this machine, those --only left out included; SUMMARY.md names those
+measured on another machine.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def main() -> None:
         budget = 0.8 * (mem_available_bytes() or 16e9) / 1e9
     common = [*WORKLOAD, f"seq_lens=[{','.join(map(str, args.seq_lens))}]",
               f"measure.min_run_time={args.min_run_time}", f"memory_budget_gb={budget:.6g}"]  # a small budget stays > 0
-    rows, spreads, fits, env = {}, {}, {}, None
+    rows, spreads, fits = {}, {}, {}
     started = time.perf_counter()
     # This machine is shared, and some of its slow periods are invisible from inside (other_cpu_cores stays
     # near 0 while some variants run 30-45% slower for minutes): each point is measured in
@@ -104,20 +106,25 @@ def main() -> None:
             if ns and not (args.resume and set(ns) <= set(candidates(rdir, rounds=False))):
                 wait_for_quiet(args.max_other_cores, args.wait_s)
                 run_harness([*CONFIGS[name], *common, f"seq_lens=[{','.join(map(str, ns))}]"], rdir)
-    for name in args.only:
+    # The combined table: this invocation's variants and every other one --out holds from this machine
+    # (an earlier --only), never dropped; one measured on another machine is named, not mixed in.
+    names = [n for n in CONFIGS if n in args.only or candidates(args.out / n)]
+    elsewhere = {n: sorted({f"{r['device_name']}, {r['num_threads']} threads" for r in rs})
+                 for n in CONFIGS if n not in names and (rs := stored(args.out / n))}
+    for name in names:
         vdir = args.out / name
         found = candidates(vdir)
         rows[name] = [median(found[n], args.max_other_cores) for n in args.seq_lens if n in found]
         spreads[name] = {n: spread(found[n]) for n in args.seq_lens if n in found}
-        env = env or json.loads((vdir / "env.json").read_text())
         fits[name] = {"all": fit_exponents(rows[name]), "2k_16k": fit_exponents(rows[name], 2048, 16384),
                       "seq_lens": args.seq_lens}
+    env = json.loads((args.out / args.only[0] / "env.json").read_text())  # this invocation's machine and code
     elapsed = time.perf_counter() - started
 
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "results.csv", [r for name in args.only for r in rows[name]])
+    write_csv(args.out / "results.csv", [r for name in names for r in rows[name]])
     write_json(args.out / "fit.json", fits)
-    summary = summarize(rows, spreads, fits, env, args, budget, elapsed)
+    summary = summarize(rows, spreads, fits, env, args, budget, elapsed, elsewhere)
     (args.out / "SUMMARY.md").write_text(summary)
     print(summary)
 
@@ -180,17 +187,20 @@ def again(vdir: Path, args) -> list[int]:
             and 6.5 * (first[n].fwd_bwd_ms or 0) / 1e3 <= args.round_max_s]  # warm-up, memory, 3 passes
 
 
+def stored(vdir: Path, rounds: bool = True) -> list[dict]:
+    """The rows of a variant's directory, the first round's and the later rounds', each the point's latest
+    row in its directory (a point measured again supersedes its earlier row there; both stay in the file)."""
+    paths = [vdir / "results.jsonl", *(sorted(vdir.glob("round-*/results.jsonl")) if rounds else [])]
+    return [rec for path in paths if path.exists() for rec in latest(read_jsonl(path))]
+
+
 def candidates(vdir: Path, rounds: bool = True) -> dict[int, list[Result]]:
-    """Every measurement of each N in a variant's directory taken on this machine (CPU model and threads):
-    the first round's and the later rounds', each the point's latest row in its directory (a point
-    measured again supersedes its earlier row there; both stay in the file)."""
+    """Every measurement of each N in a variant's directory taken on this machine (CPU model and threads)."""
     here = (cpu_name(), torch.get_num_threads())
     found: dict[int, list[Result]] = {}
-    for path in [vdir / "results.jsonl", *(sorted(vdir.glob("round-*/results.jsonl")) if rounds else [])]:
-        if path.exists():
-            for rec in latest(read_jsonl(path)):
-                if machine(rec) == here:
-                    found.setdefault(rec["seq_len"], []).append(Result.from_record(rec))
+    for rec in stored(vdir, rounds):
+        if machine(rec) == here:
+            found.setdefault(rec["seq_len"], []).append(Result.from_record(rec))
     return found
 
 
@@ -245,8 +255,10 @@ def fmt(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
 
 
-def summarize(rows, spreads, fits, env, args, budget, elapsed) -> str:
+def summarize(rows, spreads, fits, env, args, budget, elapsed, elsewhere) -> str:
     ns = args.seq_lens
+    codes = {name: sorted({r.code_version or "unknown" for r in rs}) for name, rs in rows.items()}
+    earlier = [name for name in rows if name not in args.only]
     head = "| variant | " + " | ".join(f"N={n}" for n in ns) + " |\n|---|" + "---:|" * len(ns) + "\n"
     out = ["# CPU benchmark: time and peak memory against sequence length", "",
            f"Workload: B=1, H=4, D=64, float32, non-causal, forward+backward. Machine: {env['device_name']}, "
@@ -257,6 +269,12 @@ def summarize(rows, spreads, fits, env, args, budget, elapsed) -> str:
            f"1 warm-up call; memory: profiler allocation replay (extra over the inputs); "
            f"memory budget {budget:.3g} GB. Produced by `python scripts/bench_cpu.py`; rows in results.csv, "
            f"fits in fit.json.", "", ALLOCATOR_NOTE, "",
+           *([f"This invocation measured {', '.join(args.only)}; the rows of {', '.join(earlier)} are earlier "
+              "invocations' on this machine (dates below).", ""] if earlier else []),
+           *([f"Code versions differ between rows: {'; '.join(n + ': ' + ', '.join(c) for n, c in codes.items())}.",
+              ""] if len({c for cs in codes.values() for c in cs}) > 1 else []),
+           *(["Not in these tables, measured on another machine (compare within one machine): "
+              f"{'; '.join(n + ' (' + ', '.join(m) + ')' for n, m in elsewhere.items())}.", ""] if elsewhere else []),
            "## Forward+backward time, ms (median ± IQR)", "",
            f"The median of each point's rounds (see Rounds); * where its rounds differ by more than "
            f"{ROUNDS_DISAGREE - 1:.0%}.", "", head.rstrip("\n")]

@@ -21,7 +21,7 @@ SCRIPT = ROOT / "scripts" / "bench_cpu.py"
 
 
 def test_two_variants_at_two_lengths(tmp_path):
-    names, seq_lens = ["linear", "sliding_window"], ["128", "256"]
+    names, seq_lens = ["sliding_window", "linear"], ["128", "256"]  # the combined table in CONFIGS order
     cmd = [sys.executable, str(SCRIPT), "--only", *names, "--seq-lens", *seq_lens, "--min-run-time", "0.01",
            "--out", str(tmp_path), "--wait-s", "0", "--rounds", "2"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
@@ -49,6 +49,22 @@ def test_two_variants_at_two_lengths(tmp_path):
     ms = float(by["linear", "256"]["fwd_bwd_ms"])
     assert f"{ms:.4g}" in summary  # the tables are this run's numbers
     assert "not measured" in summary  # blockwise and full_math did not run: their target is not judged
+
+    # One variant again (--only, nothing left to measure): the other stays in the combined table, and a
+    # variant measured on another machine is named there, not mixed in
+    (tmp_path / "full_sdpa").mkdir()
+    (tmp_path / "full_sdpa" / "results.jsonl").write_text("".join(
+        json.dumps({**json.loads(line), "device_name": "Another CPU"}) + "\n"
+        for line in (tmp_path / "linear" / "results.jsonl").read_text().splitlines()))
+    cmd = [c for c in cmd if c != "sliding_window"] + ["--resume"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(tmp_path / "results.csv") as f:
+        assert list(csv.DictReader(f)) == rows
+    summary = (tmp_path / "SUMMARY.md").read_text()
+    assert "This invocation measured linear; the rows of sliding_window are earlier invocations' on this machine" in summary
+    assert "measured on another machine (compare within one machine): full_sdpa (Another CPU, " in summary
+    assert all(summary.count(f"| {name} |") == 5 for name in names) and "| full_sdpa |" not in summary
 
 
 def test_ctrl_c_ends_the_harness_it_runs_as_interrupted_in_its_one_line(tmp_path):
