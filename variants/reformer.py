@@ -163,6 +163,12 @@ class Reformer(Attention):
         c = self.options.bucket_size
         return c if self.num_chunks(seq_len) == 1 else 2 * c
 
+    def chunks_per_slice(self, B: int, H: int, seq_len: int, device: torch.device | str | None) -> int:
+        """Chunks per checkpointed slice of the ``lsh`` path (each of every round): as many as keep the
+        slice's c × window score tiles within slice_elements(device), one at least."""
+        per_chunk = B * H * self.options.n_hashes * self.options.bucket_size * self.window(seq_len)
+        return max(1, slice_elements(device) // per_chunk)
+
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
         """At most: per query min(r·window, keys it may see) (the set depends on q; duplicates shrink it)."""
         cap = self.options.n_hashes * self.window(seq_len)
@@ -197,8 +203,8 @@ class Reformer(Attention):
         # tiles are float32).
         o, a = self.options, max(element_size, 4)
         n_c, w = self.num_chunks(N), self.window(N)
-        padded, per_chunk = n_c * o.bucket_size, B * H * o.n_hashes * o.bucket_size * w
-        sliced = min(n_c, max(1, slice_elements(device) // per_chunk)) * per_chunk
+        padded = n_c * o.bucket_size
+        sliced = min(n_c, self.chunks_per_slice(B, H, N, device)) * B * H * o.n_hashes * o.bucket_size * w
         return (a * B * H * (4 * o.n_hashes * padded * D + 7 * N * D) + 8 * B * H * o.n_hashes * padded
                 + a * sliced * (4 * w + 3 * D) // w)
 
@@ -222,15 +228,14 @@ class Reformer(Attention):
 
     def _lsh(self, q: Tensor, v: Tensor, causal: bool) -> Tensor:
         B, H, N, D = q.shape
-        c, n_c, r = self.options.bucket_size, self.num_chunks(N), self.options.n_hashes
+        c, n_c = self.options.bucket_size, self.num_chunks(N)
         acc = torch.promote_types(q.dtype, torch.float32)
         with torch.no_grad():  # the layout: which positions meet, and how often
             perm, rank = sort_rounds(self.buckets(q))  # (B, H, r, N)
             # Sorted order padded to n_c·c slots with position N: a key never kept, a query dropped.
             pos_q = F.pad(perm, (0, n_c * c - N), value=N).unflatten(-1, (n_c, c))  # (B, H, r, n_c, c)
             pos_k = look_back(pos_q, n_c)  # (B, H, r, n_c, w): its chunk, then the one before
-            # Slices of chunks (every round) whose c × w score tiles hold about slice_elements together
-            step = max(1, slice_elements(q.device) // (B * H * r * c * pos_k.shape[-1]))
+            step = self.chunks_per_slice(B, H, N, q.device)  # chunks of every round whose tiles hold one slice
             slices = [slice(s, s + step) for s in range(0, n_c, step)]
             # Itself only where no round offers anything else: (B, H, N + 1), the pad row False
             offers = torch.cat([others_of(pos_q[:, :, :, s], pos_k[:, :, :, s], N, causal).any(dim=-1)
