@@ -33,7 +33,7 @@ class MeasureOptions:
     memory: bool = True  # measure the forward+backward peak memory
     param_grads: bool = False  # also compute gradients of the variant's own parameters (linear's E, F)
     max_rel_iqr: float = 0.15  # a pass whose IQR / median exceeds this is noisy
-    max_other_cores: float = 0.25  # others' load (cores) above this while timing: noisy
+    max_other_cores: float = 0.25  # others' load (cores; on CUDA beyond the spare ones) above this while timing: noisy
     on_noise: str = "flag"  # flag: record noisy with its reasons | retry: measure again, keep the quietest
     max_tries: int = 3  # on_noise=retry: measurements of a noisy point at most
 

@@ -247,7 +247,7 @@ def merge(rec: dict[str, Any], records: list[dict[str, Any]], backend: str, busy
     """One row from every rank's record: the times are already the slowest rank's (time_in_step), the
     warm-up the longest; each rank's peak and the largest; each rank's bytes sent. A failed point names
     the rank whose failure was first: one that raised, rather than one whose transfers then timed out."""
-    from .measure import noise_reasons
+    from .measure import noise_reasons, spare_cores
 
     failed = [(i, r) for i, r in enumerate(records) if r["status"] != "ok"]
     peaks = [r.get("peak_mem_bytes") for r in records]
@@ -263,7 +263,9 @@ def merge(rec: dict[str, Any], records: list[dict[str, Any]], backend: str, busy
     if busy is not None:  # the other ranks on this machine are not "other processes"
         siblings = sum(r["own_cpu_s"] for r in records[1:] if r["hostname"] == records[0]["hostname"])
         rec["other_cpu_cores"] = max(0.0, busy - siblings / wall)
-    reasons = noise_reasons({**rec, "other_cpu_cores": rec.get("other_cpu_cores")}, s.measure)
+    local = sum(r["hostname"] == records[0]["hostname"] for r in records)  # ranks launching on this machine
+    reasons = noise_reasons({**rec, "other_cpu_cores": rec.get("other_cpu_cores")}, s.measure,
+                            spare_cores(rec["device"], launchers=local))
     rec.update(noisy=bool(reasons), noise_reasons="; ".join(reasons) or None, tries=1)
     return rec
 
