@@ -74,7 +74,9 @@ N2_BACKENDS = {"dense", "math", "sdpa_math"}  # full's math and sdpa_math, any v
 TABLE21 = ("full", "math")  # the path FA-1 Table 21's target reads: the only N×N series a target needs
 COMPARED = ("sliding_window", "blockwise-local", "sparse-fixed", "sparse-strided", "sparse-bigbird")
 EXPONENT_TARGETS = ("sliding_window", "linear", "reformer", "adaptive_span")
-OVERHEAD_CASES = [("full", "sdpa_flash"), ("sliding_window", "xformers"), ("linear", "sdpa")]
+# Three kinds of kernel: a pinned SDPA one, a compiled one (FlexAttention: on any CUDA machine with triton;
+# xformers' wheels did not run on the H100's CUDA 13) and a composition of torch ops
+OVERHEAD_CASES = [("full", "sdpa_flash"), ("sliding_window", "flex"), ("linear", "sdpa")]
 COMPILED = ("flex",)  # backends that compile per N (tens of seconds each): sweeps of their own, later
 PUBLISHED = ("FA-3 on H100: up to 740 TFLOP/s fp16 forward, at its best head dimension (75% of the 989 TFLOP/s "
              "datasheet peak); FA-2 on H100 about 335-370 TFLOP/s forward (both papers' 16K-token, hidden-2048 "
