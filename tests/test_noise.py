@@ -157,14 +157,17 @@ def test_a_point_beside_a_cpu_burner_is_flagged_or_retried(tmp_path, burners):
 @pytest.mark.gpu
 def test_a_cuda_point_beside_cpu_burners_is_not_noise_while_cores_are_spare(tmp_path, burners):
     """The run passes the device's spare cores to the judgment: two spinning processes on a host with
-    cores to spare leave a GPU point's timing as it is (on a 2-core host they would not)."""
+    cores to spare leave a GPU point's timing as it is (on a 2-core host they would not). Judged on the
+    load measured, as other tests' processes (compiling, in parallel) may add to the burners'."""
     import os
 
-    if len(os.sched_getaffinity(0)) < 4:
+    spare = len(os.sched_getaffinity(0)) - 1
+    if spare < 3:
         pytest.skip("needs 4 cores: two burners and a launching thread with one to spare")
     (r,) = run(compose_cfg(*TINY, "device=cuda", "dtype=float16", "variant.backend=sdpa"), output_dir=tmp_path).rows
     assert r.status == "ok" and r.other_cpu_cores > 1.5, r
-    assert "other processes" not in (r.noise_reasons or ""), r.noise_reasons
+    flagged = "other processes" in (r.noise_reasons or "")
+    assert flagged == (r.other_cpu_cores - spare > 0.25), (r.other_cpu_cores, spare, r.noise_reasons)
 
 
 def point(n: int, noisy: bool = False, **extra) -> dict:
