@@ -260,20 +260,22 @@ def test_flex_score_mod_and_band_match_reference_cpu(causal):
     assert long["tile_density"] < 0.25  # 16 tiles a side, the band only near the diagonal
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("spans", ["mixed", "max"])
-def test_gpu_flex_matches_reference(spans, dtype, causal):
-    """flex's output and gradients (z included) against the float64 reference, under flash-attention's
-    rule: at most twice the error of the dense path in the same dtype, plus the rounding floor.
-    Should the gradients be NaN here: PyTorch issue 153799 (open in 2.7) reports NaN in FlexAttention's
+@pytest.mark.parametrize("backend,device", [("band", "cpu"), pytest.param("band", "cuda", marks=pytest.mark.gpu),
+                                            pytest.param("flex", "cuda", marks=pytest.mark.gpu)])
+def test_half_precision_matches_reference(backend, device, spans, dtype, causal):
+    """The GPU benchmark's inputs (half precision; band on CPU too): output and gradients (z included)
+    against the float64 reference, under flash-attention's rule: at most twice the error of the dense
+    path in the same dtype, plus the rounding floor.
+    Should flex's gradients be NaN here: PyTorch issue 153799 (open in 2.7) reports NaN in FlexAttention's
     backward when a score_mod and a block mask meet N not a multiple of 128 — this backend's case."""
     N, D = 1000, 64  # not a multiple of 128
     attn = build([300.0, 7.5, 120.0] if spans == "mixed" else [S, S, S], max_span=300 if spans == "mixed" else S,
-                 backend="flex").cuda()
-    dense = build(attn.spans().tolist(), max_span=attn.options.max_span, backend="dense").cuda()
-    q, k, v = qkv(2, 3, N, D, dtype=dtype, seed=N, device="cuda")
+                 backend=backend).to(device)
+    dense = build(attn.spans().tolist(), max_span=attn.options.max_span, backend="dense").to(device)
+    q, k, v = qkv(2, 3, N, D, dtype=dtype, seed=N, device=device)
     out = attn(q, k, v, causal)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = attn.reference(q64, k64, v64, causal)

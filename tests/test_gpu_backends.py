@@ -468,6 +468,31 @@ def test_gpu_backend_matches_reference(name, options, backend, N, dtype, causal)
                                      if backend == "auto" else (backend,))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_linear_sdpa_in_half_precision_matches_reference(device, dtype):
+    """linear's sdpa (on CUDA a fused kernel over the k projected keys) against the float64 reference,
+    under the rule above: the naive implementation in the same dtype is linear's math path (the same
+    projections, softmax written out). Non-causal only: linear refuses causal."""
+    attn = variants.build("linear", proj_dim=96, max_seq_len=2048, backend="sdpa").to(device)
+    naive = variants.build("linear", proj_dim=96, max_seq_len=2048, backend="math").to(device)
+    q, k, v = qkv(2, 4, 1000, 64, dtype=dtype, seed=3, device=device)
+    out = attn(q, k, v)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attn.reference(q64, k64, v64)
+    qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    base = naive(qn, kn, vn)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(device)
+    got = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    want = torch.autograd.grad(ref, (q64, k64, v64), dout)
+    base_g = torch.autograd.grad(base, (qn, kn, vn), dout.to(dtype))
+    assert out.dtype == dtype and attn.backend_ran == "sdpa"
+    for what, g, w, n in [("out", out, ref, base)] + list(zip(("dq", "dk", "dv"), got, want, base_g)):
+        err, err_naive, floor = _err(g, w), _err(n, w), _floor(w, dtype)
+        assert err <= ERROR_FACTOR * err_naive + floor, (
+            f"{what}: max error {err:.3e} > {ERROR_FACTOR} x math {err_naive:.3e} + floor {floor:.3e}")
+
+
 @pytest.mark.gpu
 def test_auto_picks_once_and_records():
     attn = variants.build("full", backend="auto")
