@@ -237,8 +237,8 @@ class Team:
         return rec
 
 
-TIMED = ("warmup_s", "fwd_ms", "fwd_iqr_ms", "fwd_samples", "bwd_ms", "bwd_iqr_ms", "bwd_samples", "fwd_bwd_ms",
-         "fwd_bwd_iqr_ms", "fwd_bwd_samples")
+TIMED = ("setup_s", "warmup_s", "fwd_ms", "fwd_iqr_ms", "fwd_samples", "bwd_ms", "bwd_iqr_ms", "bwd_samples",
+         "fwd_bwd_ms", "fwd_bwd_iqr_ms", "fwd_bwd_samples")
 SECONDARY = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
 
 
@@ -259,7 +259,7 @@ def merge(rec: dict[str, Any], records: list[dict[str, Any]], backend: str, busy
         rec.update(status=r["status"], reason=one_line(f"rank {i}: {r['reason']}")[:500])
         return rec
     rec.update({k: records[0].get(k) for k in TIMED})
-    rec["warmup_s"] = max(r["warmup_s"] for r in records)
+    rec.update({k: max(r[k] for r in records) for k in ("setup_s", "warmup_s")})  # the slowest rank's
     if busy is not None:  # the other ranks on this machine are not "other processes"
         siblings = sum(r["own_cpu_s"] for r in records[1:] if r["hostname"] == records[0]["hostname"])
         rec["other_cpu_cores"] = max(0.0, busy - siblings / wall)

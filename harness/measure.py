@@ -2,7 +2,8 @@
 
 Per point:
 1. Fresh seeded ``randn`` inputs q, k, v (requiring grad) and an output gradient, never zeros.
-2. Warm-up: ``warmup_iters`` forward+backward calls, timed as a whole (``warmup_s``), so module load,
+2. Set-up and warm-up: the variant's ``prepare`` (BlockMask, mask or plan on the device; ``setup_s``),
+   then ``warmup_iters`` forward+backward calls, timed as a whole (``warmup_s``), so module load,
    plan building, autotuning and compilation stay out of the timed region.
 3. Peak memory of one forward+backward with the input gradients reset (``harness.memory``): extra over
    the inputs; on GPU also the allocator's absolute and reserved peaks.
@@ -222,6 +223,12 @@ def measure_point(attn: torch.nn.Module, *, batch_size: int, num_heads: int, seq
         return out
 
     on_phase("warm-up")
+    start = time.perf_counter()  # what a call at N needs built first (FlexAttention's BlockMask): apart
+    prepare = getattr(attn, "prepare", None)  # (a module of the caller's own may have none)
+    if prepare is not None:
+        prepare(seq_len, causal, device)
+    synchronize(device)
+    record["setup_s"] = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(max(1, opts.warmup_iters)):  # a quality-only point still makes one checked call
         out = fwd_bwd()

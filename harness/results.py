@@ -81,7 +81,8 @@ class Result:
     fwd_bwd_ms: float | None
     fwd_bwd_iqr_ms: float | None
     fwd_bwd_samples: int | None
-    warmup_s: float | None
+    setup_s: float | None  # the variant's prepare before the warm-up: BlockMask, dense mask, engine plan on the device
+    warmup_s: float | None  # the warm-up calls: compilation, autotuning, first calls
     timer: str | None
     # Whether the timings can be trusted: noisy with its reasons (spread, others' load, forward slower
     # than forward+backward, too few samples), and how many times the point was measured (on_noise=retry)

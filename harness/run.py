@@ -459,7 +459,7 @@ def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device
         reasons = noise_reasons(attempt, s.measure, spare_cores(device))
         attempt.update(noisy=bool(reasons), noise_reasons="; ".join(reasons) or None)
         if tries > 1:  # the warm-up that compiled was the first try's: the point's cost of getting ready
-            attempt["warmup_s"] = rec["warmup_s"]
+            attempt.update(setup_s=rec["setup_s"], warmup_s=rec["warmup_s"])
         if best is None or _noise_score(attempt, reasons) < _noise_score(*best):
             best = (attempt, reasons)
         if not reasons or s.measure.on_noise != "retry":

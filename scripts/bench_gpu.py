@@ -694,7 +694,7 @@ def compare_targets(ctx: Context, res: dict[str, Any]) -> None:
         if label not in COMPARED or label not in ctx.labels:
             continue
         rows = [{"label": label, "kind": "ours", "name": f"ours {r['backend']}", "status": r["status"],
-                 "fwd_bwd_ms": r["fwd_bwd_ms"], "first_call_s": r["warmup_s"], "block_mask_s": None,
+                 "fwd_bwd_ms": r["fwd_bwd_ms"], "first_call_s": r["warmup_s"], "block_mask_s": r.get("setup_s"),
                  "reason": r["reason"] or r.get("noise_reasons")} for r in rows_of(ctx.out / "d" / label)]
         rows += [r for r in compare if r["label"] == label]
         res["compare_rows"] += rows
@@ -849,9 +849,10 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
               "backends call the public kernels themselves with the same mask (flex's built from the variant's "
               "predicate), so where one is our best the ratio measures our wrapper and mask_mod; the last three "
               "columns are our own kernel, the block-sparse engine, against the same public kernel."]
-    lines += ["", "Every kernel timed (first call: compilation and plans, for ours the harness's warm-up; BlockMask: its "
-              "creation):", ""]
-    lines += table(["pattern", "kernel", "status", "ms", "first call s", "BlockMask s", "note"],
+    lines += ["", "Every kernel timed (first call: compilation and plans, for ours the harness's warm-up; set-up: "
+              "building the BlockMask, for ours the backend's prepare, the harness's setup_s: flex's BlockMask, "
+              "the engine's plan on the device):", ""]
+    lines += table(["pattern", "kernel", "status", "ms", "first call s", "set-up s", "note"],
                    [[r["label"], r["name"], r["status"], r.get("fwd_bwd_ms"), r.get("first_call_s"),
                      r.get("block_mask_s"), (r["reason"] or "-")[:120]] for r in res["compare_rows"]])
     lines += ["", "## Reports", ""] + [f"- {k}: `{p.relative_to(ctx.out)}` (plots, OOM frontier, every point)"

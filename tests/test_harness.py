@@ -53,7 +53,7 @@ def test_every_variant_config_runs_and_records_every_field(yaml, tmp_path):
     assert options == {f"opt_{k}" for k, _ in sweep.rows[0].options}
     assert (row["variant"], row["seq_len"], row["head_dim"], row["device"]) == (yaml.stem, 96, 16, "cpu")
     for name in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "peak_mem_bytes", "analytic_mem_bytes", "flops_fwd",
-                 "flops_fwd_useful", "tflops_fwd", "tflops_fwd_bwd", "density", "warmup_s"):
+                 "flops_fwd_useful", "tflops_fwd", "tflops_fwd_bwd", "density", "setup_s", "warmup_s"):
         assert row[name] > 0, name
     assert row["peak_mem_abs_bytes"] is None and row["reason"] is None
     ranks = row["world_size"] or 1  # sequence-parallel ranks on one machine share its cores
@@ -67,6 +67,30 @@ def test_every_variant_config_runs_and_records_every_field(yaml, tmp_path):
     env_json = json.loads((tmp_path / "env.json").read_text())
     assert env_json["python_version"] == platform.python_version() and env_json["numpy_version"]
     assert env_json["float32_matmul_precision"] == torch.get_float32_matmul_precision() and "matmul=" in env_json["tf32"]
+
+
+def test_setup_is_timed_apart_once_before_the_warm_up(tmp_path, monkeypatch):
+    """The variant's prepare (FlexAttention's BlockMask, the engine's plan on the device) runs once per
+    point, before any call, and its time is setup_s, not part of warmup_s."""
+    import time
+
+    from variants.blocksparse import MaskedAttention
+
+    calls, prepare, attend = [], MaskedAttention.prepare, MaskedAttention._attend
+
+    def slow_prepare(self, *args):
+        calls.append("prepare")
+        time.sleep(1.0)
+        return prepare(self, *args)
+
+    def counted_attend(self, *args):
+        calls.append("call")
+        return attend(self, *args)
+    monkeypatch.setattr(MaskedAttention, "prepare", slow_prepare)
+    monkeypatch.setattr(MaskedAttention, "_attend", counted_attend)
+    (r,) = run(compose_cfg("variant=sliding_window", *TINY), output_dir=tmp_path).rows
+    assert r.status == "ok" and calls[0] == "prepare" and calls.count("prepare") == 1 and "call" in calls
+    assert r.setup_s >= 1.0 and r.warmup_s < 1.0, (r.setup_s, r.warmup_s)
 
 
 def test_code_version_is_the_commit_and_dirty_only_for_code(tmp_path, monkeypatch):

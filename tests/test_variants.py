@@ -596,3 +596,32 @@ def test_bad_inputs():
         lin(q, k, v)
     with pytest.raises(VariantError, match="no mask can make it causal"):
         variants.build("linear", proj_dim=4, max_seq_len=16)(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("name,options,backend", [
+    ("sliding_window", {"window": 8}, "blocksparse"), ("sliding_window", {"window": 8, "dilation": 2}, "flex"),
+    ("sparse", {"pattern": "bigbird", "block_size": 16}, "dense"), ("blockwise", {"mode": "exact"}, "online"),
+    ("adaptive_span", {"max_span": 40, "num_heads": 2}, "flex")], ids=str)
+def test_prepare_builds_what_the_first_call_needs(name, options, backend, monkeypatch):
+    """After ``prepare`` (timed apart by the harness as setup_s) a call at that length builds no
+    BlockMask, mask or plan of its own: the warm-up then holds compilation and first calls only."""
+    from variants import flex
+
+    attn = variants.build(name, **options, backend=backend).requires_grad_(False)  # adaptive_span's z too
+    attn.prepare(100, True, "cpu")
+    if backend in ("blocksparse", "online"):
+        assert torch.device("cpu") in attn.plan(100, True)._on  # the plan's tensors already on the device
+    built = []
+    monkeypatch.setattr(flex, "build_block_mask", lambda *a, **k: built.append("BlockMask"))
+    monkeypatch.setattr(engine.BlockPlan, "build", staticmethod(lambda *a, **k: built.append("plan")))
+    if isinstance(attn, MaskedAttention):
+        monkeypatch.setattr(type(attn), "mask", lambda self, *a: built.append("dense mask"))
+    q, k, v = (t.detach() for t in qkv(1, 2, 100, 16, dtype=torch.float32))
+    with torch.no_grad():  # flex: its forward alone, as on CPU it has no backward (nor a place in forward)
+        if backend != "flex":
+            attn(q, k, v, causal=True)
+        elif name == "adaptive_span":  # eager (compiled=False): the same BlockMask, no compilation
+            attn.flex_forward(q, k, v, causal=True, compiled=False)
+        else:
+            flex.flex_forward(attn, q, k, v, causal=True, compiled=False)
+    assert built == [], built

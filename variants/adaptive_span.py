@@ -245,6 +245,11 @@ class AdaptiveSpan(Attention):
         return element_size * B * H * (3 * nc * c * L + 4 * nc * L * D + 6 * N * D)
 
     # ----- call ------------------------------------------------------------------------------------------
+    def prepare(self, seq_len: int, causal: bool, device: torch.device | str) -> None:
+        if self.backend == "flex":  # the band's BlockMask for the current reach
+            self._renew_block_masks(seq_len)
+            flex.block_mask(self, seq_len, causal, device)
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
         B, H, N, D = q.shape
         z = self.spans(H)  # (H,)

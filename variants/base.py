@@ -272,6 +272,12 @@ class Attention(nn.Module):
         require(error is None, error)
         return self._attend(q, k, v, causal, self.backend)
 
+    def prepare(self, seq_len: int, causal: bool, device: torch.device | str) -> None:
+        """Builds and keeps what a call at ``seq_len`` needs on ``device`` before its first call: the
+        flex backends' BlockMask, the dense path's mask, the block-sparse engine's plan there. The harness
+        times it apart (``setup_s``), before the warm-up, as FlexAttention's paper reports mask creation
+        apart from the kernel. Nothing by default: the first call builds what it needs."""
+
     def causal_error(self) -> str:
         return f"{self.name} does not support causal=True"
 

@@ -496,14 +496,28 @@ class MaskedAttention(Attention):
         nb = -(-seq_len // self.engine_block_size(seq_len))
         return self.plan(seq_len, causal).layout_blocks / nb**2
 
+    def prepare(self, seq_len: int, causal: bool, device: torch.device | str) -> None:
+        if self.backend == "flex":
+            from .flex import block_mask
+
+            block_mask(self, seq_len, causal, device)
+        elif self.backend == "dense":
+            self.dense_mask_on(seq_len, causal, torch.device(device))
+        elif self.backend not in FUSED_BACKENDS:
+            self.plan(seq_len, causal).on(torch.device(device))
+
+    def dense_mask_on(self, seq_len: int, causal: bool, device: torch.device) -> Tensor:
+        """The dense backend's (N, N) mask on ``device``, kept until another (N, causal, device) asks."""
+        key = (seq_len, causal, str(device))
+        if self._dense_mask is None or self._dense_mask[0] != key:
+            self._dense_mask = None  # freed before the next one is built
+            self._dense_mask = key, self.mask(seq_len, causal).to(device)
+        return self._dense_mask[1]
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
         N, scale = q.shape[-2], self.scale(q.shape[-1])
         if backend == "dense":
-            key = (N, causal, str(q.device))
-            if self._dense_mask is None or self._dense_mask[0] != key:
-                self._dense_mask = None  # freed before the next one is built
-                self._dense_mask = key, self.mask(N, causal).to(q.device)
-            return dense_attention(q, k, v, self._dense_mask[1], scale)
+            return dense_attention(q, k, v, self.dense_mask_on(N, causal, q.device), scale)
         if backend == "flex":
             from .flex import flex_forward
 
