@@ -602,21 +602,23 @@ def test_bad_inputs():
     ("sliding_window", {"window": 8}, "blocksparse"), ("sliding_window", {"window": 8, "dilation": 2}, "flex"),
     ("sparse", {"pattern": "bigbird", "block_size": 16}, "dense"), ("blockwise", {"mode": "exact"}, "online"),
     ("adaptive_span", {"max_span": 40, "num_heads": 2}, "flex")], ids=str)
-def test_prepare_builds_what_the_first_call_needs(name, options, backend, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_prepare_builds_what_the_first_call_needs(name, options, backend, device, monkeypatch):
     """After ``prepare`` (timed apart by the harness as setup_s) a call at that length builds no
-    BlockMask, mask or plan of its own: the warm-up then holds compilation and first calls only."""
+    BlockMask, mask or plan of its own: the warm-up then holds compilation and first calls only. On
+    CUDA prepared for "cuda" (as the harness does), called on "cuda:0" (as a tensor says)."""
     from variants import flex
 
-    attn = variants.build(name, **options, backend=backend).requires_grad_(False)  # adaptive_span's z too
-    attn.prepare(100, True, "cpu")
-    if backend in ("blocksparse", "online"):
-        assert torch.device("cpu") in attn.plan(100, True)._on  # the plan's tensors already on the device
+    attn = variants.build(name, **options, backend=backend).requires_grad_(False).to(device)  # z too
+    attn.prepare(100, True, device)
+    if backend in ("blocksparse", "online"):  # the plan's tensors already on the device
+        assert variants.base.resolved(device) in attn.plan(100, True)._on
     built = []
     monkeypatch.setattr(flex, "build_block_mask", lambda *a, **k: built.append("BlockMask"))
     monkeypatch.setattr(engine.BlockPlan, "build", staticmethod(lambda *a, **k: built.append("plan")))
     if isinstance(attn, MaskedAttention):
         monkeypatch.setattr(type(attn), "mask", lambda self, *a: built.append("dense mask"))
-    q, k, v = (t.detach() for t in qkv(1, 2, 100, 16, dtype=torch.float32))
+    q, k, v = (t.detach() for t in qkv(1, 2, 100, 16, dtype=torch.float32, device=device))
     with torch.no_grad():  # flex: its forward alone, as on CPU it has no backward (nor a place in forward)
         if backend != "flex":
             attn(q, k, v, causal=True)

@@ -66,6 +66,15 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale:
     return scores.softmax(dim=-1) @ v  # (B, H, N, D)
 
 
+def resolved(device: torch.device | str) -> torch.device:
+    """``device`` as a tensor on it reports it ("cuda" is "cuda:<current>"): the key of what is kept per
+    device, so that what ``prepare`` built for "cuda" is what a call on "cuda:0" finds."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def causal_mask(seq_len: int, device: torch.device | str | None = None) -> Tensor:
     i = torch.arange(seq_len, device=device)
     return causal_allowed(i[:, None], i[None, :])  # (N, N): j ≤ i

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Attention, dense_attention
+from .base import Attention, dense_attention, resolved
 from .flex import BlockMasks, block_mask_stats
 from .masks import Predicate, causal_allowed, causal_blocks, dense_mask, layout_predicate, reordered
 
@@ -502,9 +502,9 @@ class MaskedAttention(Attention):
 
             block_mask(self, seq_len, causal, device)
         elif self.backend == "dense":
-            self.dense_mask_on(seq_len, causal, torch.device(device))
+            self.dense_mask_on(seq_len, causal, resolved(device))
         elif self.backend not in FUSED_BACKENDS:
-            self.plan(seq_len, causal).on(torch.device(device))
+            self.plan(seq_len, causal).on(resolved(device))
 
     def dense_mask_on(self, seq_len: int, causal: bool, device: torch.device) -> Tensor:
         """The dense backend's (N, N) mask on ``device``, kept until another (N, causal, device) asks."""

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import Attention, VariantError
+from .base import Attention, VariantError, resolved
 from .masks import causal_allowed, reordered
 
 BLOCK_SIZE = 128  # FlexAttention's sparse block (tile) size, both query and key
@@ -181,9 +181,7 @@ class BlockMasks(dict):
 
 def block_mask(attn: Attention, seq_len: int, causal: bool, device: torch.device | str):
     """The BlockMask for (N, causal, device), built once and kept in ``attn.block_masks``."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolved(device)
     key = (seq_len, causal, str(device))
     if key not in attn.block_masks:
         attn.block_masks[key] = build_block_mask(attn, seq_len, causal, device)
