@@ -12,13 +12,14 @@ tensor on the inputs' device; blockwise exact has no element restriction (only t
 Costs kept apart so the harness can log them outside its timed region:
 - ``block_mask(attn, N, causal, device)`` builds the BlockMask once per (N, causal, device) and keeps
   it in the variant's ``block_masks`` (a ``BlockMasks``, declared by each variant with a flex backend).
+  The variant's ``prepare`` calls it, and the harness times that apart as ``setup_s``.
   ``create_block_mask`` evaluates the mask on the whole N×N grid (with int64 temporaries); above
   ``CHUNK_ELEMENTS`` grid points it is evaluated in strips of query rows instead, so memory stays
   O(strip·N) and the BlockMask is the same.
 - ``flex_attention`` is compiled once per process (lazily) with ``dynamic=False``: one specialisation
-  per (B, H, N, D, dtype, grad mode, mask_mod code and constants). ``prepare(...)`` builds the
+  per (B, H, N, D, dtype, grad mode, mask_mod code and constants). ``prepare(...)`` here builds the
   BlockMask and runs one call (forward, and backward when asked) to trigger compilation, returning the
-  seconds spent on each.
+  seconds spent on each (the harness's warm-up does the same: ``setup_s``, then ``warmup_s``).
 
 On CPU (torch 2.13) FlexAttention runs forward (compiled here) but has no backward: the ``flex``
 backend is registered as needing CUDA, and ``flex_forward`` is the helper the CPU tests call on
