@@ -850,8 +850,8 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
               "predicate), so where one is our best the ratio measures our wrapper and mask_mod; the last three "
               "columns are our own kernel, the block-sparse engine, against the same public kernel."]
     lines += ["", "Every kernel timed (first call: compilation and plans, for ours the harness's warm-up; set-up: "
-              "building the BlockMask, for ours the backend's prepare, the harness's setup_s: flex's BlockMask, "
-              "the engine's plan on the device):", ""]
+              "building the BlockMask, for ours the row's setup_s, the backend's prepare: flex's BlockMask, the "
+              "engine's plan on the device):", ""]
     lines += table(["pattern", "kernel", "status", "ms", "first call s", "set-up s", "note"],
                    [[r["label"], r["name"], r["status"], r.get("fwd_bwd_ms"), r.get("first_call_s"),
                      r.get("block_mask_s"), (r["reason"] or "-")[:120]] for r in res["compare_rows"]])
