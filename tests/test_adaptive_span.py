@@ -22,7 +22,7 @@ from variants import VariantError, flex
 from variants.adaptive_span import AdaptiveSpan
 
 from .conftest import qkv
-from .test_gpu_backends import _floor as rounding_floor
+from .test_gpu_backends import assert_fa_rule
 
 S, R = 40, 8  # max_span, ramp: the band (reach ⌈z⌉ + R − 1 ≤ 47) is narrower than N below
 LENGTHS = (1, 97, 200)  # 97: one chunk holds the band; 200: 4 chunks of 64 (the last ragged)
@@ -284,11 +284,7 @@ def test_half_precision_matches_reference(backend, device, spans, dtype, causal)
     got = (out, *grads(out, (q, k, v, attn.z)))
     want = (ref, *grads(ref, (q64, k64, v64, attn.z)))
     base = (naive, *grads(naive, (qn, kn, vn, dense.z)))
-    for name, g, w, n in zip(("out", "dq", "dk", "dv", "dz"), got, want, base):
-        w = w.double()
-        err, err_naive = (g.double() - w).abs().max().item(), (n.double() - w).abs().max().item()
-        floor = rounding_floor(w, dtype)
-        assert err <= 2.0 * err_naive + floor, f"{name}: {err:.3e} > 2 x {err_naive:.3e} + {floor:.3e}"
+    assert_fa_rule(zip(("out", "dq", "dk", "dv", "dz"), got, want, base), dtype, "dense")
 
 
 # ----- the task: span penalty in the loss, spans logged ----------------------------------------------

@@ -433,6 +433,16 @@ def _floor(ref, dtype):
     return 2 * (shifted.to(dtype).double() - shifted).abs().max().item()
 
 
+def assert_fa_rule(checks, dtype, naive="naive") -> None:
+    """Flash-attention's rule for each (what, got, float64 reference, naive path in ``dtype``) of
+    ``checks``: the max error against the reference at most ERROR_FACTOR times the naive path's, plus
+    the rounding floor."""
+    for what, g, w, n in checks:
+        err, err_naive, floor = _err(g, w), _err(n, w), _floor(w.double(), dtype)
+        assert err <= ERROR_FACTOR * err_naive + floor, (
+            f"{what}: max error {err:.3e} > {ERROR_FACTOR} x {naive} {err_naive:.3e} + floor {floor:.3e}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -459,10 +469,7 @@ def test_gpu_backend_matches_reference(name, options, backend, N, dtype, causal)
     got = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
     want = torch.autograd.grad(ref, (q64, k64, v64), dout)
     naive_g = torch.autograd.grad(naive, (qn, kn, vn), dout.to(dtype))
-    for what, g, w, n in [("out", out, ref, naive)] + list(zip(("dq", "dk", "dv"), got, want, naive_g)):
-        err, err_naive, floor = _err(g, w), _err(n, w), _floor(w, dtype)
-        assert err <= ERROR_FACTOR * err_naive + floor, (
-            f"{what}: max error {err:.3e} > {ERROR_FACTOR} x naive {err_naive:.3e} + floor {floor:.3e}")
+    assert_fa_rule([("out", out, ref, naive)] + list(zip(("dq", "dk", "dv"), got, want, naive_g)), dtype)
     if name == "full":
         assert attn.last_backend in (variants.full.AUTO_CANDIDATES + (variants.full.AUTO_FALLBACK,)
                                      if backend == "auto" else (backend,))
@@ -487,10 +494,7 @@ def test_linear_sdpa_in_half_precision_matches_reference(device, dtype):
     want = torch.autograd.grad(ref, (q64, k64, v64), dout)
     base_g = torch.autograd.grad(base, (qn, kn, vn), dout.to(dtype))
     assert out.dtype == dtype and attn.backend_ran == "sdpa"
-    for what, g, w, n in [("out", out, ref, base)] + list(zip(("dq", "dk", "dv"), got, want, base_g)):
-        err, err_naive, floor = _err(g, w), _err(n, w), _floor(w, dtype)
-        assert err <= ERROR_FACTOR * err_naive + floor, (
-            f"{what}: max error {err:.3e} > {ERROR_FACTOR} x math {err_naive:.3e} + floor {floor:.3e}")
+    assert_fa_rule([("out", out, ref, base)] + list(zip(("dq", "dk", "dv"), got, want, base_g)), dtype, "math")
 
 
 @pytest.mark.gpu

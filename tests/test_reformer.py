@@ -286,7 +286,7 @@ def test_lsh_in_half_precision_matches_the_reference(monkeypatch, device, dtype,
     changes the set the definition picks, not the error of computing it."""
     import variants.reformer as reformer
 
-    from .test_gpu_backends import ERROR_FACTOR, _err, _floor
+    from .test_gpu_backends import assert_fa_rule
 
     hash_of = Reformer.buckets
     monkeypatch.setattr(Reformer, "buckets", lambda self, q: hash_of(self, q.detach().double()))
@@ -301,10 +301,7 @@ def test_lsh_in_half_precision_matches_the_reference(monkeypatch, device, dtype,
     assert out.dtype == dtype and out.device.type == device
     up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(device)
     got, want, naive_g = grads(out, q, v, up), grads(ref, q64, v64, up), grads(naive, qn, vn, up)
-    for what, g, w, n in [("out", out, ref, naive)] + list(zip(("dq", "dv"), got, want, naive_g)):
-        err, err_naive, floor = _err(g, w), _err(n, w), _floor(w, dtype)
-        assert err <= ERROR_FACTOR * err_naive + floor, (
-            f"{what}: max error {err:.3e} > {ERROR_FACTOR} x dense {err_naive:.3e} + floor {floor:.3e}")
+    assert_fa_rule([("out", out, ref, naive)] + list(zip(("dq", "dv"), got, want, naive_g)), dtype, "dense")
 
 
 @pytest.mark.parametrize("options", [{"bucket_size": 32}, {"bucket_size": 32, "n_hashes": 4, "n_buckets": 16}], ids=str)
