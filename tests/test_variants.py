@@ -601,7 +601,9 @@ def test_bad_inputs():
 @pytest.mark.parametrize("name,options,backend", [
     ("sliding_window", {"window": 8}, "blocksparse"), ("sliding_window", {"window": 8, "dilation": 2}, "flex"),
     ("sparse", {"pattern": "bigbird", "block_size": 16}, "dense"), ("blockwise", {"mode": "exact"}, "online"),
-    ("adaptive_span", {"max_span": 40, "num_heads": 2}, "flex")], ids=str)
+    ("adaptive_span", {"max_span": 40, "num_heads": 2}, "flex"),
+    ("ulysses", {"inner": "sparse", "inner_options": {"pattern": "bigbird", "block_size": 16}, "world_size": 1},
+     "dense")], ids=str)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_prepare_builds_what_the_first_call_needs(name, options, backend, device, monkeypatch):
     """After ``prepare`` (timed apart by the harness as setup_s) a call at that length builds no
@@ -616,8 +618,9 @@ def test_prepare_builds_what_the_first_call_needs(name, options, backend, device
     built = []
     monkeypatch.setattr(flex, "build_block_mask", lambda *a, **k: built.append("BlockMask"))
     monkeypatch.setattr(engine.BlockPlan, "build", staticmethod(lambda *a, **k: built.append("plan")))
-    if isinstance(attn, MaskedAttention):
-        monkeypatch.setattr(type(attn), "mask", lambda self, *a: built.append("dense mask"))
+    inner = getattr(attn, "wrapped", attn)  # ulysses: its inner variant's
+    if isinstance(inner, MaskedAttention):
+        monkeypatch.setattr(type(inner), "mask", lambda self, *a: built.append("dense mask"))
     q, k, v = (t.detach() for t in qkv(1, 2, 100, 16, dtype=torch.float32, device=device))
     with torch.no_grad():  # flex: its forward alone, as on CPU it has no backward (nor a place in forward)
         if backend != "flex":

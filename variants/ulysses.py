@@ -107,6 +107,9 @@ class Ulysses(SequenceParallel):
     def reference(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
         return self.wrapped.reference(q, k, v, causal)
 
+    def prepare(self, seq_len: int, causal: bool, device: torch.device | str) -> None:
+        self.wrapped.prepare(seq_len, causal, device)  # the inner runs on every position (of a head shard)
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
         group, rank, size = self.process_group()
         if size == 1:
