@@ -389,7 +389,7 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
         else:
             rec = (measure or measure_quietest)(attn, s, N, device, rec, on_phase)
             # What ran: the kernel the backend chose (full's auto), and the FLOPs it executed counted on the
-            # device, where some backends know them only (flex: its BlockMask's tiles, built by the warm-up).
+            # device, where some backends know them only (flex: its BlockMask's tiles, built by prepare).
             rec.update(backend_ran=attn.backend_ran, flops_fwd=attn.flops(B, H, N, D, s.causal, device).executed)
     except Exception as e:  # recorded; the next point still runs
         rec.update(failure(e))
