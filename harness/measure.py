@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 # The profiler behind harness.memory.cpu_peak_bytes makes kineto print two "USDT ... profiler_start/stop"
 # lines to stderr per call; level 6 (above ERROR and USDT) silences them. Read when the first profile
@@ -34,6 +34,9 @@ import logging  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+if TYPE_CHECKING:
+    import variants
 
 
 class _NoCudaRuntimeNote(logging.Filter):
@@ -191,7 +194,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_point(attn: torch.nn.Module, *, batch_size: int, num_heads: int, seq_len: int, head_dim: int,
+def measure_point(attn: "variants.Attention", *, batch_size: int, num_heads: int, seq_len: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device, causal: bool, seed: int, opts: MeasureOptions,
                   record: dict, on_phase: Callable[[str], None] = lambda phase: None,
                   shard: Callable[[torch.Tensor], torch.Tensor] | None = None, timer_fn=time_fn) -> None:
@@ -224,9 +227,7 @@ def measure_point(attn: torch.nn.Module, *, batch_size: int, num_heads: int, seq
 
     on_phase("warm-up")
     start = time.perf_counter()  # what a call at N needs built first (FlexAttention's BlockMask): apart
-    prepare = getattr(attn, "prepare", None)  # (a module of the caller's own may have none)
-    if prepare is not None:
-        prepare(seq_len, causal, device)
+    attn.prepare(seq_len, causal, device)
     synchronize(device)
     record["setup_s"] = time.perf_counter() - start
     start = time.perf_counter()
