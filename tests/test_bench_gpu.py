@@ -120,6 +120,13 @@ def test_summary_states_the_numbers_of_the_files_and_skips_what_needs_cuda(smoke
     noisy = [r["seq_len"] for r in rows if r["noisy"]]
     want = f"sdpa: not fitted (N={', '.join(map(str, noisy))}" if noisy else f"sdpa: {fit['fitted']:.3f}"
     assert lin["status"] in ("met", "missed", *(("not measured",) if noisy else ())) and want in lin["detail"], lin
+    # An exponent is judged against 1.1, or 0.1 above its FLOPs' exponent where that is above 1.1 (reformer)
+    for label, t in targets.items():
+        if label.startswith("exponent_") and t["status"] in ("met", "missed"):
+            backend = t["detail"].split(" ")[0]
+            theory = summary["exponents"][label.removeprefix("exponent_")]["fits"][backend]["theory"]
+            limit = 1.1 if theory <= 1.1 else theory + 0.1
+            assert f"{backend} (limit {limit:.3f});" in t["detail"] and (t["status"] == "met") == (t["value"] <= limit), t
     for t in summary["targets"]:
         assert f"| {t['text']} | **{t['status']}** |" in md and f"target {t['target']}: {t['status']}" in stdout
     # Every kernel timed is in the summary, with its time as the files have it.
@@ -438,7 +445,7 @@ def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_
     if noisy["math"]:
         assert lin["status"] == "not measured" and "math: not fitted" in lin["detail"], lin
     else:
-        assert lin["detail"].startswith("math;") and "math: " in lin["detail"], lin
+        assert lin["detail"].startswith("math (limit 1.100);") and "math: " in lin["detail"], lin
     # A series still to reach the range's last length (its next call would measure it): not judged on the
     # others meanwhile
     (path,) = [p for p in (bench / "a" / "linear").rglob("results.jsonl") if "variant.backend=math" in str(p)]
