@@ -114,6 +114,23 @@ def test_block_mask_in_strips_equals_create_block_mask(name, options, N, causal)
     assert stats["partial_tiles"] + stats["full_tiles"] == int(whole.to_dense().sum())
 
 
+def test_building_a_flex_variant_loads_the_compiler_outside_the_timed_set_up():
+    """Importing torch._dynamo, which FlexAttention's create_mask needs, takes seconds once per process: it
+    happens when a variant with the flex backend is built, not inside the first BlockMask's ``setup_s``
+    (on an H100 it was 1.8–2.1 s of each flex row's, against 0.01–0.13 s for the same BlockMask built in
+    a process that had it loaded)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, variants\n"
+            "variants.build('sliding_window', window=4)\nprint('torch._dynamo' in sys.modules)\n"
+            "variants.build('sliding_window', window=4, backend='flex')\nprint('torch._dynamo' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.split() == ["False", "True"], proc.stdout + proc.stderr[-2000:]
+
+
 def test_flex_prepare_caches_block_mask_and_compiles_cpu():
     attn = variants.build(FLEX_CASES[2][0], **FLEX_CASES[2][1])  # the same mask_mod code as test_flex_forward: no new compile
     times = flex.prepare(attn, (1, 2, FLEX_N, 16), torch.float32, "cpu", causal=False)

@@ -101,6 +101,12 @@ class Attention(nn.Module):
         require(backend is None or backend in allowed,
                 f"{self.name}: unknown backend {backend!r}; allowed: {', '.join(allowed)}")
         self._backend = allowed[0] if backend is None else backend
+        if self._backend == "flex":
+            # torch.compile's machinery (torch._dynamo, which create_mask needs too: seconds to import) loaded
+            # now, not inside the first BlockMask's timed set-up
+            from .flex import compiled_flex_attention
+
+            compiled_flex_attention()
         self.last_backend: str | None = None  # set by a backend that chooses a kernel per call (full's auto)
         # (first, total): the calls get heads [first, first + H) of ``total``. Set by ulysses while it runs
         # the variant on a head shard; None: a call gets every head. See heads().

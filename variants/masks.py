@@ -46,10 +46,16 @@ def reordered(pred: Predicate, order: Tensor) -> Predicate:
 def sliding_window(window: int, dilation: int = 1, global_tokens: int = 0) -> Predicate:
     """Longformer: |i − j| ≤ w·d and (i − j) mod d == 0, or either position among the first g."""
 
+    # Terms that allow everything or nothing (d = 1, g = 0) are left out: FlexAttention's kernel evaluates
+    # the predicate on every element of its partial tiles.
     def allowed(i: Tensor, j: Tensor) -> Tensor:
         dist = i - j
-        local = (dist.abs() <= window * dilation) & (dist % dilation == 0)
-        return local | (i < global_tokens) | (j < global_tokens)
+        local = dist.abs() <= window * dilation
+        if dilation > 1:
+            local = local & (dist % dilation == 0)
+        if global_tokens > 0:
+            local = local | (i < global_tokens) | (j < global_tokens)
+        return local
 
     return allowed
 
