@@ -425,7 +425,7 @@ def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torc
                 "flex": flex, "sdpa_blocks": sdpa_blocks}
     specs = public_specs(label, attn, B, N, device)
     kernels = {name: (kind, builders[kind](what)) for name, (kind, what) in specs.items()}
-    if "flex" in attn.backend_names():  # not a public kernel: where ours trails FlexAttention, whose the gap is
+    if "flex" in attn.backend_names():  # not a public kernel: it tells where a gap to FlexAttention lies
         kernels[OURS_BARE] = ("flex", ours_bare())
     return kernels
 

@@ -91,7 +91,7 @@ def mask_mod(attn: Attention, seq_len: int, causal: bool, device: torch.device |
         pred = reordered(pred, order.to(device))
 
     # Only the terms this call needs: the kernel evaluates the mask_mod on every element of a partial tile,
-    # where each term costs as much as a score's exponential. Causal and not are two compilations.
+    # so a term that allows everything still costs arithmetic there. Causal and not are two compilations.
     if pred is None:
         if not causal:
             from torch.nn.attention.flex_attention import noop_mask
