@@ -447,6 +447,10 @@ def timed(ctx: Context, build: Callable[[], Callable[[], None]]) -> dict[str, An
         row["block_mask_s"] = getattr(build, "block_mask_s", None)
         t = time_fn(fn, ctx.device, MeasureOptions(min_run_time=0.01 if ctx.plan.smoke else 0.1, min_samples=2))
         row.update(fwd_bwd_ms=t.median_ms, fwd_bwd_iqr_ms=t.iqr_ms)
+        if ctx.device.type == "cuda":  # the state the kernel ran in: a throttled clock is a slower kernel
+            from harness.env import nvidia_smi
+
+            row["gpu_after"] = nvidia_smi("clocks.sm,temperature.gpu,power.draw")
     except Unavailable as e:
         row.update(status="skipped" if NEEDS_CUDA in str(e) else "unavailable", reason=str(e))
     except Exception as e:  # an oom or a kernel that refuses the shape: recorded, the next one runs
@@ -882,10 +886,12 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
               "building the BlockMask, for ours the row's setup_s, the backend's prepare: flex's BlockMask, the "
               f"engine's plan on the device). `{OURS_BARE}` is our flex backend timed as the public kernels are, "
               "in their process: against the public FlexAttention it measures our mask_mod, against `ours flex` "
-              "the harness run; it is in no target.", ""]
-    lines += table(["pattern", "kernel", "status", "ms", "first call s", "set-up s", "note"],
+              "the harness run; it is in no target. The SM clock, temperature and power are nvidia-smi's, read "
+              "right after the kernel's timed calls.", ""]
+    lines += table(["pattern", "kernel", "status", "ms", "first call s", "set-up s", "SM clock, °C, W after", "note"],
                    [[r["label"], r["name"], r["status"], r.get("fwd_bwd_ms"), r.get("first_call_s"),
-                     r.get("block_mask_s"), (r["reason"] or "-")[:120]] for r in res["compare_rows"]])
+                     r.get("block_mask_s"), r.get("gpu_after") or "-", (r["reason"] or "-")[:120]]
+                    for r in res["compare_rows"]])
     lines += ["", "## Reports", ""] + [f"- {k}: `{p.relative_to(ctx.out)}` (plots, OOM frontier, every point)"
                                         for k, p in reports.items()]
     return "\n".join(lines) + "\n"
