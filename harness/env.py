@@ -111,10 +111,14 @@ CODE_VERSION_VAR = "HARNESS_CODE_VERSION"
 
 
 def code_version() -> str | None:
-    """Which code measured: the commit of the checkout the harness runs from (12 hex digits), with
-    "+dirty" when its code differs from that commit (changed or new files under CODE_PATHS). A copy
-    without git's metadata (a tree copied to an offline node) says it through $HARNESS_CODE_VERSION;
-    None when neither tells, e.g. an installed wheel."""
+    """Which code measured: $HARNESS_CODE_VERSION where it is set (a tree copied to an offline node,
+    without git's metadata or with a copy of it older than the tree: what was copied is said by whoever
+    copied it); else the commit of the checkout the harness runs from (12 hex digits), with "+dirty" when
+    its code differs from that commit (changed or new files under CODE_PATHS); None when neither tells,
+    e.g. an installed wheel."""
+    if os.environ.get(CODE_VERSION_VAR):
+        return os.environ[CODE_VERSION_VAR]
+
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=15)
@@ -124,10 +128,10 @@ def code_version() -> str | None:
 
     top = git("rev-parse", "--show-toplevel")
     if top is None or Path(top).resolve() != ROOT:  # not a checkout of this project
-        return os.environ.get(CODE_VERSION_VAR) or None
+        return None
     head, changes = git("rev-parse", "--short=12", "HEAD"), git("status", "--porcelain", "--", *CODE_PATHS)
     if head is None or changes is None:
-        return os.environ.get(CODE_VERSION_VAR) or None
+        return None
     return head + ("+dirty" if changes else "")
 
 

@@ -25,8 +25,8 @@
 # file, else a new one), JOB_BUDGET_S (keep it 100 s under any hard limit on the call), OUT, PYTHON,
 # PACK_EVERY_S, RERUN_TESTS=1 (once every GPU test has run: all of them again), TEST_WORKERS (8),
 # SKIP_TESTS=1, SKIP_WHEELS=1, BENCH_ARGS (more bench_gpu.py arguments), HARNESS_CODE_VERSION (the
-# commit every row records as code_version, for a tree copied without .git: `git rev-parse --short=12
-# HEAD` where it was copied from).
+# commit every row records as code_version, over any copied .git, which may be older than the tree:
+# `git rev-parse --short=12 HEAD` where it was copied from).
 # A dry run on a CPU machine (tiny sizes; what needs CUDA is recorded skipped):
 #   OUT=/tmp/o BENCH_DIR=/tmp/b SKIP_WHEELS=1 SKIP_TESTS=1 BENCH_ARGS=--smoke bash scripts/gpu_job.sh
 # Arguments: none (settings go in the environment); -h or --help prints this and exits.

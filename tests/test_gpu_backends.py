@@ -81,6 +81,34 @@ def test_flex_mask_mod_is_the_mask(name, options, causal):
         assert torch.equal(got, want)
 
 
+def _captured_tensors(fn) -> list:
+    """The tensors a function reads through its closure, followed into the functions it holds."""
+    found, todo, seen = [], [fn], set()
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        for cell in f.__closure__ or ():
+            x = cell.cell_contents
+            if isinstance(x, torch.Tensor):
+                found.append(x)
+            elif callable(x) and getattr(x, "__closure__", None) is not None:
+                todo.append(x)
+    return found
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_flex_blockwise_local_mask_mod_is_arithmetic_where_sparse_looks_up(causal):
+    """Blockwise local's layout has a closed form, i // b == j // b: its mask_mod reads no tensor in the
+    kernel (a table lookup there cost 13% at N=16K on an H100, docs/gpu.md). A layout without one (sparse)
+    is looked up in the layout tensor."""
+    local = variants.build("blockwise", mode="local", block_size=16)
+    assert _captured_tensors(flex.mask_mod(local, 259, causal, "cpu")) == []
+    lookup = _captured_tensors(flex.mask_mod(variants.build("sparse", pattern="fixed", block_size=16), 259, causal, "cpu"))
+    assert [t.dtype for t in lookup] == [torch.bool]
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_flex_dilated_window_computes_the_window_not_window_times_dilation(causal):
     """flex runs a dilated window in the engine's order too: its BlockMask's tiles are about those of the

@@ -123,6 +123,9 @@ def test_code_version_is_the_commit_and_dirty_only_for_code(tmp_path, monkeypatc
     assert code_version() is None
     monkeypatch.setenv(envmod.CODE_VERSION_VAR, "0123abcd")
     assert code_version() == "0123abcd"
+    # Set, it is what the copier says even over git's metadata: a copied .git can be older than the tree
+    monkeypatch.setattr(envmod, "ROOT", tmp_path)
+    assert code_version() == "0123abcd"
 
 
 # ----- the command line ------------------------------------------------------------------------------

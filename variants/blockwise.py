@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .base import require
 from .blocksparse import MaskedAttention
-from .masks import causal_pairs, local_layout, num_blocks
+from .masks import Predicate, causal_pairs, local_layout, num_blocks
 
 MODES = ("exact", "local")
 
@@ -53,6 +53,12 @@ class Blockwise(MaskedAttention):
     def layout(self, seq_len: int, causal: bool) -> Tensor:
         nb = num_blocks(seq_len, self.engine_block_size(seq_len))
         return local_layout(nb) if self.options.mode == "local" else torch.ones(nb, nb, dtype=torch.bool)
+
+    def layout_rule(self, seq_len: int) -> Predicate | None:
+        if self.options.mode != "local":  # exact: every block (flex needs no element rule)
+            return None
+        b = self.engine_block_size(seq_len)
+        return lambda i, j: i // b == j // b  # the diagonal blocks, as the contract states them
 
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
         if self.options.mode == "exact":  # counted, not enumerated: the layout is every block

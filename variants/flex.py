@@ -83,10 +83,12 @@ def mask_mod(attn: Attention, seq_len: int, causal: bool, device: torch.device |
     under causal. Every tensor it reads lives on ``device`` (it runs inside the compiled kernel)."""
     pred, order = attn.predicate(seq_len, causal), attn.engine_order(seq_len)
     if pred is None:
-        # Layout-defined (sparse, blockwise): a lookup in the block layout, moved to the device once.
+        # Layout-defined (sparse, blockwise): the layout's arithmetic rule where it has one (blockwise
+        # local), else a lookup in the block layout, moved to the device once.
         layout = attn.layout(seq_len, causal) if order is None else attn.engine_layout(seq_len, causal)
         if not bool(layout.all()):  # all-true (blockwise exact): no element restriction
-            pred = _layout_lookup(layout, attn.engine_block_size(seq_len), seq_len, device)
+            pred = (attn.layout_rule(seq_len) if order is None else None) or \
+                _layout_lookup(layout, attn.engine_block_size(seq_len), seq_len, device)
     elif order is not None:  # the kernel runs the positions in engine_order (flex_forward reorders q, k, v)
         pred = reordered(pred, order.to(device))
 
