@@ -245,17 +245,18 @@ def test_lsh_path_builds_no_dense_set(monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_slices_of_chunks_equal_the_whole_layout(monkeypatch, causal):
-    """The lsh path attends a slice of chunks (every round) at a time, each checkpointed: one chunk per
-    slice gives the output and the gradients of one slice for the whole layout, both equal to the float64
-    reference, N not a multiple of bucket_size; without gradients (no checkpoint) the same output."""
+    """The lsh path attends a slice of chunks (every round) at a time, the backward recomputing each
+    slice's tiles: one chunk per slice gives the output and the gradients of one slice for the whole
+    layout, both equal to the float64 reference, N not a multiple of bucket_size; without gradients the
+    same output."""
     import variants.reformer as reformer
 
     attn = variants.build("reformer", bucket_size=8, n_hashes=3)
     q, k, v = qkv(2, 2, 203, 8, dtype=torch.float64, seed=3)
     up = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     slices = []
-    slice_of = Reformer._slice
-    monkeypatch.setattr(Reformer, "_slice", lambda self, *a: slices.append(a[3].shape[3]) or slice_of(self, *a))
+    probabilities = reformer.probabilities
+    monkeypatch.setattr(reformer, "probabilities", lambda *a: slices.append(a[0].shape[3]) or probabilities(*a))
 
     def run():
         out = attn(q, k, v, causal=causal)
@@ -273,6 +274,24 @@ def test_slices_of_chunks_equal_the_whole_layout(monkeypatch, causal):
         assert_close(got_sliced, w, 1e-10)
     with torch.no_grad():
         assert_close(attn(q, k, v, causal=causal), whole[0], 1e-12)
+
+
+def test_backward_fills_each_input_gradient_once_whatever_the_slices(monkeypatch):
+    """Many slices (one chunk each): the backward still zero-fills one (B, H, N + 1, D) gradient per
+    padded input, not one per slice (autograd through each slice's gather would: O(N) per slice, O(N²)
+    in all)."""
+    import variants.reformer as reformer
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(reformer, "slice_elements", lambda device: 1)
+    attn = variants.build("reformer", bucket_size=8, n_hashes=3)
+    q, k, v = qkv(2, 2, 203, 8, seed=3)
+    out = attn(q, k, v)
+    assert attn.num_chunks(203) == 26
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out.backward(torch.ones_like(out))
+    full = [e for e in prof.events() if e.name == "aten::zero_" and e.input_shapes == [[2, 2, 204, 8]]]
+    assert len(full) == 3, len(full)  # qs, k̂, vs (a gather's backward per slice: 3 · 26)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -13,7 +13,8 @@ Causal masks the future keys, but which past keys a query sees depends on the ha
 (the chunk boundaries), as in the paper.
 
 Backends: ``lsh`` sorts, gathers each chunk and the one before (a slice of chunks of every round at a
-time, each slice checkpointed: its backward recomputes its tiles), scores c × 2c tiles, subtracts
+time; the backward recomputes each slice's tiles and differentiates them by hand, adding each slice's
+row gradients into one buffer per input: ``LSHSlices``), scores c × 2c tiles, subtracts
 log(number of rounds that found the pair) so that duplicates count once (the paper's log N_ij
 correction), merges the rounds with their running maxima and unsorts: O(N·r·c) time, O(N·r·D) memory
 beside one slice's tiles, forward and backward. Hashing is done a few rows at a time so its
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from .base import Attention, Flops, dense_attention, require, require_seed
@@ -164,7 +166,7 @@ class Reformer(Attention):
         return c if self.num_chunks(seq_len) == 1 else 2 * c
 
     def chunks_per_slice(self, B: int, H: int, seq_len: int, device: torch.device | str | None) -> int:
-        """Chunks per checkpointed slice of the ``lsh`` path (each of every round): as many as keep the
+        """Chunks per slice of the ``lsh`` path (each of every round): as many as keep the
         slice's c × window score tiles within slice_elements(device), one at least."""
         per_chunk = B * H * self.options.n_hashes * self.options.bucket_size * self.window(seq_len)
         return max(1, slice_elements(device) // per_chunk)
@@ -194,19 +196,19 @@ class Reformer(Attention):
                      device: torch.device | str | None = None) -> int:
         if self.backend == "dense":  # plus k̂ = q/‖q‖
             return super().memory_bytes(B, H, N, D, element_size, causal, device) + element_size * B * H * N * D
-        # Fitted as an upper bound (within 1.34x) to the peaks measured on CPU over bucket sizes 8-64, 1-4
-        # rounds, D 8-64, float32 and bfloat16: the rounds' outputs in sorted and original order, their
-        # weighted product and its gradient (4·r·N·D, N padded to whole chunks); the scaled, normalised
-        # and padded inputs, their gradients and the merged output (7·N·D); the int64 layout (r·N); and
-        # one checkpointed slice's tiles (scores, probabilities, bias, gradient: 4 of the slice's score
-        # elements) with its gathered query, key and value rows. In float32 at least (half inputs'
+        # Fitted as an upper bound (within 1.52x) to the peaks measured on CPU over bucket sizes 8-64, 1-4
+        # rounds, D 8-64, N 1000-16384, float32 and bfloat16, causal and not: the rounds' outputs in sorted
+        # and original order, their weighted product and its gradient (4·r·N·D, N padded to whole chunks);
+        # the scaled, normalised and padded inputs, their gradients and the merged output (7·N·D); the
+        # int64 layout (r·N); and one slice's tiles (bias, probabilities, their gradient: 3 of the slice's
+        # score elements) with its gathered query, key and value rows. In float32 at least (half inputs'
         # tiles are float32).
         o, a = self.options, max(element_size, 4)
         n_c, w = self.num_chunks(N), self.window(N)
         padded = n_c * o.bucket_size
         sliced = min(n_c, self.chunks_per_slice(B, H, N, device)) * B * H * o.n_hashes * o.bucket_size * w
         return (a * B * H * (4 * o.n_hashes * padded * D + 7 * N * D) + 8 * B * H * o.n_hashes * padded
-                + a * sliced * (4 * w + 3 * D) // w)
+                + a * sliced * (3 * w + 3 * D) // w)
 
     def mask_bytes(self, B: int, H: int, N: int, causal: bool) -> int:
         return B * H * N * N  # the dense path's set, (B, H, N, N): it depends on q
@@ -245,31 +247,16 @@ class Reformer(Attention):
 
         # Padded once with the row of position N (zeros), which the slices gather from: (B, H, N + 1, D)
         qs, k_hat, vs = (F.pad(x, (0, 0, 0, 1)) for x in (q.to(acc) * self.scale(D), normalise(q.to(acc)), v.to(acc)))
-        # Each slice checkpointed (the paper trades time for memory alike: its reversible layers recompute
-        # activations in the backward): forward and backward hold one slice's tiles at a time beside the
-        # O(r·N·D) outputs, never every round's c × w tiles (2.1x less at N=8192 on CPU, ~10% more time).
-        parts = [checkpoint(self._slice, qs, k_hat, vs, pos_q[:, :, :, s], pos_k[:, :, :, s], chunk, alone, causal,
-                            use_reentrant=False) if torch.is_grad_enabled() else
-                 self._slice(qs, k_hat, vs, pos_q[:, :, :, s], pos_k[:, :, :, s], chunk, alone, causal)
-                 for s in slices]
-        o, l, m = (torch.cat(x, dim=3) for x in zip(*parts))  # (B, H, r, n_c, c[, D]), in sorted order
+        # Slice by slice, forward and backward (which recomputes each slice's tiles, as the paper's reversible
+        # layers trade time for memory alike): one slice's tiles at a time beside the O(r·N·D) outputs, never
+        # every round's c × w tiles.
+        o, l, m = LSHSlices.apply(qs, k_hat, vs, self, pos_q, pos_k, chunk, alone, causal, slices)
+        # (B, H, r, n_c, c[, D]), in sorted order
         # Back to original order, then merge the rounds under their common maximum.
         o, l, m = unsort(o.flatten(3, 4), rank), unsort(l.flatten(-2), rank), unsort(m.flatten(-2), rank)
         w = torch.exp(m - m.amax(dim=2, keepdim=True))  # (B, H, r, N): 0 for a round with nothing
         out = (w[..., None] * o).sum(dim=2) / (w * l).sum(dim=2)[..., None]  # (B, H, N, D)
         return out.to(q.dtype)
-
-    def _slice(self, qs: Tensor, k_hat: Tensor, vs: Tensor, pos_q: Tensor, pos_k: Tensor, chunk: Tensor,
-               alone: Tensor, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """Some chunks of every round, gathered straight from the padded inputs (B, H, N + 1, D) in the
-        rounds' order (autograd scatters back): unnormalised outputs (B, H, r, s, c, D), their row sums and
-        row maxima (B, H, r, s, c), −inf where a row has nothing."""
-        with torch.no_grad():
-            bias = self._bias(pos_q, pos_k, chunk, alone, causal, qs.dtype)  # (B, H, r, s, c, w)
-        s = rows_at(qs, pos_q) @ rows_at(k_hat, pos_k).transpose(-2, -1) + bias  # (B, H, r, s, c, w)
-        m = s.detach().amax(dim=-1)
-        p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0)[..., None])  # 0 where not kept
-        return p @ rows_at(vs, pos_k), p.sum(-1), m
 
     def _bias(self, pos_q: Tensor, pos_k: Tensor, chunk: Tensor, alone: Tensor, causal: bool,
               dtype: torch.dtype) -> Tensor:
@@ -295,9 +282,67 @@ class Reformer(Attention):
         return found.to(dtype).log_().neg_().masked_fill_(~keep, float("-inf"))
 
 
+def probabilities(q_rows: Tensor, k_rows: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """Chunks' queries (B, H, r, s, c, D) against their windows' keys (B, H, r, s, w, D): the unnormalised
+    probabilities p = exp(q·k̂ᵀ + bias − m) (B, H, r, s, c, w), 0 where not kept, computed in place in one
+    tile, and the row maxima m (B, H, r, s, c), −inf where a row has nothing. No autograd: LSHSlices'
+    backward differentiates by hand."""
+    p = torch.matmul(q_rows, k_rows.transpose(-2, -1)).add_(bias)
+    m = p.amax(dim=-1)
+    return p.sub_(torch.where(torch.isfinite(m), m, 0.0)[..., None]).exp_(), m
+
+
+class LSHSlices(torch.autograd.Function):
+    """Every round's chunk outputs, a slice of chunks at a time, from the padded inputs qs, k̂, vs
+    (B, H, N + 1, D): unnormalised outputs o = p·v (B, H, r, n_c, c, D), their row sums l and row maxima
+    m (B, H, r, n_c, c).
+
+    The backward recomputes each slice's p (as the paper's reversible layers trade time for memory) and
+    differentiates by hand, as FlashAttention's does: dv = pᵀ·do, ds = p ∘ (do·vᵀ + dl), dq = ds·k̂,
+    dk̂ = dsᵀ·q (m only shifts the exponent: no gradient). Each slice's row gradients are added into one
+    (B, H, N + 1, D) buffer per input. Autograd through a gather (or a checkpoint per slice) would hand
+    each slice's gradient back as a zero-filled (B, H, N + 1, D) tensor and add them up: O(N·D) per slice,
+    O(N²) in all. On CPU (B·H = 8, D = 64) filling those zeros took 17% of forward+backward at N=32K,
+    3.5x more per doubling; this path took 0.74x the time of a checkpoint per slice there (0.84x at 4K),
+    with 0.75x the peak memory."""
+
+    @staticmethod
+    def forward(ctx, qs: Tensor, k_hat: Tensor, vs: Tensor, attn: Reformer, pos_q: Tensor, pos_k: Tensor,
+                chunk: Tensor, alone: Tensor, causal: bool, slices: list[slice]) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.attn, ctx.causal, ctx.slices = attn, causal, slices
+        ctx.save_for_backward(qs, k_hat, vs, pos_q, pos_k, chunk, alone)
+        parts = []
+        for s in slices:
+            pq, pk = pos_q[:, :, :, s], pos_k[:, :, :, s]
+            p, m = probabilities(rows_at(qs, pq), rows_at(k_hat, pk), attn._bias(pq, pk, chunk, alone, causal, qs.dtype))
+            parts.append((p @ rows_at(vs, pk), p.sum(-1), m))
+            del p
+        o, l, m = (torch.cat(x, dim=3) for x in zip(*parts))  # (B, H, r, n_c, c[, D])
+        ctx.mark_non_differentiable(m)
+        return o, l, m
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do: Tensor, dl: Tensor, _dm: Tensor) -> tuple[Tensor | None, ...]:
+        qs, k_hat, vs, pos_q, pos_k, chunk, alone = ctx.saved_tensors
+        dqs, dk_hat, dvs = (torch.zeros_like(x) for x in (qs, k_hat, vs))  # (B, H, N + 1, D), filled once
+        for s in ctx.slices:
+            pq, pk = pos_q[:, :, :, s], pos_k[:, :, :, s]
+            q_rows, k_rows = rows_at(qs, pq), rows_at(k_hat, pk)
+            p, _ = probabilities(q_rows, k_rows, ctx.attn._bias(pq, pk, chunk, alone, ctx.causal, qs.dtype))
+            do_s = do[:, :, :, s]  # (B, H, r, s, c, D)
+            add_rows(dvs, pk, p.transpose(-2, -1) @ do_s)
+            dp = torch.matmul(do_s, rows_at(vs, pk).transpose(-2, -1)).add_(dl[:, :, :, s, :, None])  # (…, c, w)
+            ds = dp.mul_(p)
+            del p, dp
+            add_rows(dqs, pq, ds @ k_rows)
+            add_rows(dk_hat, pk, ds.transpose(-2, -1) @ q_rows)
+        return dqs, dk_hat, dvs, None, None, None, None, None, None, None
+
+
 def slice_elements(device: torch.device | str | None) -> int:
     """The most score elements of one slice on ``device`` (None: CPU): the block-sparse engine's GPU tile on
-    CUDA; on CPU 2^22, as many smaller checkpointed slices cost more time than they save memory (2^19:
+    CUDA; on CPU 2^22, as many smaller slices cost more time than they save memory (2^19:
     1.45x the time)."""
     return CUDA_TILE_ELEMENTS if device is not None and torch.device(device).type == "cuda" else 1 << 22
 
@@ -325,6 +370,12 @@ def rows_at(x: Tensor, pos: Tensor) -> Tensor:
     """x (B, H, M, D) at positions ``pos`` (B, H, …) < M: (B, H, …, D)."""
     B, H, _, D = x.shape
     return x.gather(2, pos.flatten(2)[..., None].expand(B, H, -1, D)).view(*pos.shape, D)
+
+
+def add_rows(x: Tensor, pos: Tensor, rows: Tensor) -> None:
+    """x (B, H, M, D) += rows (B, H, …, D) at positions ``pos`` (B, H, …), repeated positions summed."""
+    B, H, _, D = x.shape
+    x.scatter_add_(2, pos.flatten(2)[..., None].expand(B, H, -1, D), rows.flatten(2, -2))
 
 
 def unsort(x: Tensor, rank: Tensor) -> Tensor:
