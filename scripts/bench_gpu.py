@@ -574,7 +574,8 @@ def part_overhead(ctx: Context) -> int:
             raw.append(raw_times())
             for p in calls:
                 ref = (raw[0][p] + raw[1][p]) / 2
-                case[p] = {"harness_ms": rec[f"{p}_ms"], "harness_iqr_ms": rec[f"{p}_iqr_ms"], "raw_ms": [raw[0][p], raw[1][p]],
+                case[p] = {"harness_ms": rec[f"{p}_ms"], "harness_iqr_ms": rec[f"{p}_iqr_ms"],
+                           "raw_ms": [raw[0][p], raw[1][p]],
                            "overhead": None if rec[f"{p}_ms"] is None else rec[f"{p}_ms"] / ref - 1}
         except Unavailable as e:
             case.update(status="skipped", reason=str(e))
@@ -805,7 +806,8 @@ def overhead_target(ctx: Context, res: dict[str, Any]) -> None:
     def spread(key: str) -> str:
         """The worst case's spread, to judge it by: the harness's IQR (from its row where an older
         overhead.json lacks it) and the two raw timings around it."""
-        (cs, p), = [(cs, p) for cs in ov["cases"] for p in ("fwd", "fwd_bwd") if f"{cs['variant']}/{cs['backend']} {p}" == key]
+        (cs, p), = [(cs, p) for cs in ov["cases"] for p in ("fwd", "fwd_bwd")
+                    if f"{cs['variant']}/{cs['backend']} {p}" == key]
         iqr = cs[p].get("harness_iqr_ms")
         if iqr is None:
             iqr = next((r.get(f"{p}_iqr_ms") for r in rows_of(ctx.out / "d" / "overhead" / cs["variant"])), None)

@@ -105,7 +105,8 @@ def test_flex_blockwise_local_mask_mod_is_arithmetic_where_sparse_looks_up(causa
     is looked up in the layout tensor."""
     local = variants.build("blockwise", mode="local", block_size=16)
     assert _captured_tensors(flex.mask_mod(local, 259, causal, "cpu")) == []
-    lookup = _captured_tensors(flex.mask_mod(variants.build("sparse", pattern="fixed", block_size=16), 259, causal, "cpu"))
+    sparse = variants.build("sparse", pattern="fixed", block_size=16)
+    lookup = _captured_tensors(flex.mask_mod(sparse, 259, causal, "cpu"))
     assert [t.dtype for t in lookup] == [torch.bool]
 
 

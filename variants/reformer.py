@@ -314,7 +314,9 @@ class LSHSlices(torch.autograd.Function):
         parts = []
         for s in slices:
             pq, pk = pos_q[:, :, :, s], pos_k[:, :, :, s]
-            p, m = probabilities(rows_at(qs, pq), rows_at(k_hat, pk), attn._bias(pq, pk, chunk, alone, causal, qs.dtype))
+            bias = attn._bias(pq, pk, chunk, alone, causal, qs.dtype)  # (B, H, r, s, c, w)
+            p, m = probabilities(rows_at(qs, pq), rows_at(k_hat, pk), bias)
+            del bias
             parts.append((p @ rows_at(vs, pk), p.sum(-1), m))
             del p
         o, l, m = (torch.cat(x, dim=3) for x in zip(*parts))  # (B, H, r, n_c, c[, D])
