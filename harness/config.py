@@ -36,6 +36,7 @@ class MeasureOptions:
     max_other_cores: float = 0.25  # others' load (cores; on CUDA beyond the spare ones) above this while timing: noisy
     on_noise: str = "flag"  # flag: record noisy with its reasons | retry: measure again, keep the quietest
     max_tries: int = 3  # on_noise=retry: measurements of a noisy point at most
+    max_call_s: float | None = None  # skip a length whose forward+backward call is predicted slower (None: no cap)
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,9 @@ def _measure(cfg: Mapping[str, Any] | None) -> MeasureOptions:
               for name, what, most in (("min_run_time", "number of seconds", MAX_SECONDS),
                                         ("max_run_time", "number of seconds", MAX_SECONDS),
                                         ("max_rel_iqr", "number", None), ("max_other_cores", "number of cores", None))}
+    if m.max_call_s is not None:
+        floats["max_call_s"] = _positive_number("measure.max_call_s", m.max_call_s, "number of seconds", MAX_SECONDS,
+                                                ", or null (no cap)")
     if not _is_int(m.min_samples) or m.min_samples < 2:
         raise ConfigError(f"measure.min_samples must be an integer >= 2 (a spread needs two); got {m.min_samples!r}")
     if not _is_int(m.max_tries) or m.max_tries < 1:

@@ -162,6 +162,16 @@ def spare_cores(device: torch.device | str, launchers: int = 1) -> int:
     return max(0, cores - launchers)
 
 
+FEW_SAMPLES = "< measure.min_samples="  # in the reason of a pass with too few samples: a slow call
+
+
+def retry_helps(reasons: list[str]) -> bool:
+    """Whether measuring again can make a noisy point quiet: not when its only reasons are passes with
+    too few samples (one call takes so long that max_run_time holds fewer than min_samples: so it will
+    again, and each try costs up to max_run_time per pass)."""
+    return any(FEW_SAMPLES not in r for r in reasons)
+
+
 def noise_reasons(record: dict, opts: MeasureOptions, spare: float = 0) -> list[str]:
     """Why the point's timings cannot be trusted as they are: too few samples for a spread, a spread
     over ``max_rel_iqr`` of the median, other processes' load over ``max_other_cores`` beyond the
@@ -173,7 +183,7 @@ def noise_reasons(record: dict, opts: MeasureOptions, spare: float = 0) -> list[
         if median is None:
             continue
         if n is not None and n < opts.min_samples:
-            reasons.append(f"{name}: {n} sample{'s' if n != 1 else ''} < measure.min_samples={opts.min_samples} "
+            reasons.append(f"{name}: {n} sample{'s' if n != 1 else ''} {FEW_SAMPLES}{opts.min_samples} "
                            f"(one call {median / 1e3:.3g} s; measure.max_run_time={opts.max_run_time:g} s)")
         elif iqr is not None and median > 0 and iqr / median > opts.max_rel_iqr:
             reasons.append(f"{name}: IQR {iqr / median:.0%} of the median > measure.max_rel_iqr={opts.max_rel_iqr:g}")

@@ -46,6 +46,7 @@ from .config import INT64_MAX, utf8
 from .logger import RUN_STATE
 
 STATUSES = ("ok", "oom", "skipped", "error", "nonfinite")
+SLOW = "measure.max_call_s"  # in the reason of a point skipped because its call was predicted too slow
 JOB_STATES = ("running", "completed", "failed", "refused", "interrupted")
 OPT_PREFIX = "opt_"
 TASK_OPT_PREFIX = "task_opt_"

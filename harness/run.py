@@ -9,6 +9,7 @@ values. After that, a failure at one point is a result (``oom``, ``skipped``, ``
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -23,10 +24,10 @@ from . import env as envmod
 from .config import DEFAULT_BUDGET_SHARE, ConfigError, Settings, one_line, settings_from_config
 from .console import Display
 from .logger import sweep_group_name, wandb_run
-from .measure import measure_point, noise_reasons, spare_cores, timer_name
+from .measure import measure_point, noise_reasons, retry_helps, spare_cores, timer_name
 from .memory import device_lost, is_out_of_memory, release_memory
 from .quality import quality, task_config, task_options
-from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, TASK_OPT_PREFIX, JobStatus, LockedError, Result,
+from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, SLOW, TASK_OPT_PREFIX, JobStatus, LockedError, Result,
                       ResultStore, Sink, Sweep, fit_exponents, machine, point_key, series_key, tflops, write_json)
 from .signals import PENDING_INTERRUPTS, Terminated, TimeLimit, interrupts_deferred, raise_pending_interrupt  # noqa: F401
 
@@ -224,6 +225,8 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
                     continue
                 raise_pending_interrupt()
                 stop = stopped_by(series_rows.values(), seq_len) if settings.stop_on_oom else None
+                if stop is None and settings.measure.max_call_s is not None:
+                    stop = too_slow(attn, settings, series_rows.values(), seq_len)
 
                 def on_phase(phase: str, n: int = seq_len) -> None:
                     raise_pending_interrupt()
@@ -276,14 +279,42 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
 def stopped_by(rows: Iterable[Mapping[str, Any]], seq_len: int) -> str | None:
     """Why ``seq_len`` is not run under stop_on_oom: the shortest shorter point of the series that ran
     out of memory (oom) or was skipped for it, if any."""
-    first = min((r for r in rows if r["status"] in ("oom", "skipped") and r["seq_len"] < seq_len),
-                key=lambda r: r["seq_len"], default=None)
+    first = min((r for r in rows if r["status"] in ("oom", "skipped") and r["seq_len"] < seq_len
+                 and SLOW not in (r.get("reason") or "")), key=lambda r: r["seq_len"], default=None)
     if first is None:
         return None
     reason = first.get("reason") or ""
     cause = reason.split(f" ({STOPPED}")[0] if reason.startswith("not run:") else (
         f"not run: N={first['seq_len']} was {first['status']}")
     return f"{cause} ({STOPPED}: a longer sequence needs more memory; stop_on_oom=false runs it anyway)"
+
+
+def too_slow(attn: variants.Attention, s: Settings, rows: Iterable[Mapping[str, Any]], seq_len: int) -> str | None:
+    """Why ``seq_len`` is not run under measure.max_call_s: its forward+backward call, predicted from the
+    longest shorter point of the series that was timed, times the executed FLOPs' ratio, would take
+    longer. Each try of such a point costs several calls per pass (min_samples), up to max_run_time each:
+    minutes of a device's time for one point of an O(N²) series at 64K. None: not predicted slower."""
+    timed = [r for r in rows if r["status"] == "ok" and r["seq_len"] < seq_len and call_ms(r) is not None]
+    if not timed:
+        return None
+    base = max(timed, key=lambda r: r["seq_len"])
+    flops = [attn.flops(s.batch_at(n), s.num_heads, n, s.head_dim, s.causal).executed
+             for n in (base["seq_len"], seq_len)]
+    ratio = flops[1] / flops[0] if flops[0] else float("inf")
+    predicted = call_ms(base) * ratio / 1e3
+    if predicted <= s.measure.max_call_s:
+        return None
+    return (f"not run: a forward+backward call predicted {predicted:.3g} s > {SLOW}={s.measure.max_call_s:g} "
+            f"(N={base['seq_len']} took {call_ms(base):.4g} ms, times the executed FLOPs' ratio {ratio:.3g}; "
+            f"{SLOW}=null runs it)")
+
+
+def call_ms(row: Mapping[str, Any]) -> float | None:
+    """A timed point's forward+backward call: its fwd_bwd pass, else its fwd and bwd passes summed."""
+    if row.get("fwd_bwd_ms") is not None:
+        return row["fwd_bwd_ms"]
+    parts = [row.get(f"{p}_ms") for p in ("fwd", "bwd") if row.get(f"{p}_ms") is not None]
+    return sum(parts) if parts else None
 
 
 def variant_label(attn: variants.Attention) -> str:
@@ -311,6 +342,10 @@ def lacking(row: Mapping[str, Any], s: Settings, here: tuple[Any, Any] | None = 
         return [f"measurement on this machine (it was measured on {name}{f', {threads} threads' if threads else ''})"]
     if row["status"] == "skipped" and not s.stop_on_oom and STOPPED in (row.get("reason") or ""):
         return ["a measurement (stop_on_oom had skipped it; stop_on_oom=false runs it)"]
+    cap = re.search(rf"{re.escape(SLOW)}=([0-9.e+-]+) ", row.get("reason") or "")
+    if row["status"] == "skipped" and cap:
+        if s.measure.max_call_s is None or s.measure.max_call_s > float(cap.group(1)):
+            return [f"a measurement ({SLOW}={cap.group(1)} had skipped it; now {s.measure.max_call_s})"]
     if row["status"] != "ok":
         return []
     lacks = [f"{name} time" for name in s.measure.passes if row.get(f"{name}_ms") is None]
@@ -462,7 +497,7 @@ def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device
             attempt.update(setup_s=rec["setup_s"], warmup_s=rec["warmup_s"])
         if best is None or _noise_score(attempt, reasons) < _noise_score(*best):
             best = (attempt, reasons)
-        if not reasons or s.measure.on_noise != "retry":
+        if not reasons or s.measure.on_noise != "retry" or not retry_helps(reasons):
             break
         release_memory(device)  # the try's cached blocks, before the next one allocates afresh
     if failed is not None:  # said beside the kept try's noise (it is noisy: that is why it was retried)

@@ -204,7 +204,7 @@ HYDRA_REFUSALS = [
                               "submitit_local, submitit_slurm"),
     (["measure.repeat=3"], "unknown measure option 'repeat'; allowed: passes, warmup_iters, min_run_time, "
                            "min_samples, max_run_time, timer, memory, param_grads, max_rel_iqr, max_other_cores, "
-                           "on_noise, max_tries"),
+                           "on_noise, max_tries, max_call_s"),
     (["variant=sliding_window", "variant.windw=3"],
      "sliding_window: unknown option 'windw'; allowed: window, dilation, global_tokens, backend"),
     (["-m", "variant=sliding_window,full", "variant.window=3"], "full: unknown option 'window'; allowed: backend"),
@@ -489,6 +489,38 @@ def test_stop_on_oom_records_the_longer_lengths_skipped_without_running_them(tmp
                                                                               512: "oom", 1024: "skipped"}
 
 
+def test_max_call_s_skips_a_length_predicted_too_slow_and_a_higher_cap_runs_it(tmp_path, monkeypatch):
+    """measure.max_call_s: from the longest shorter timed point, times the executed FLOPs' ratio, a length
+    predicted slower is recorded skipped with the prediction, not run; it does not stop the series as an oom
+    would (each length is predicted on its own). A rerun with no cap (or a higher one) measures it."""
+    real, ran = runmod.measure_point, []
+
+    def counted(attn, **kw):
+        ran.append(kw["seq_len"])
+        return real(attn, **kw)
+
+    monkeypatch.setattr(runmod, "measure_point", counted)
+    common = ("variant=full", "variant.backend=math", "num_heads=2", "head_dim=16", "measure.min_run_time=0.01",
+              "logger=none", "fidelity.enabled=false")
+    run(compose_cfg(*common, "seq_lens=[64]"), output_dir=tmp_path)
+    t64 = runmod.call_ms(rows_of(tmp_path)[0])
+    # A cap above N=64's call, below its predictions at 96 and 128: (96/64)² and 4 times it (full's FLOPs)
+    ran.clear()
+    run(compose_cfg(*common, "seq_lens=[64,96,128]", f"measure.max_call_s={t64 * 1.5 / 1e3}"), output_dir=tmp_path)
+    rows = {r["seq_len"]: r for r in rows_of(tmp_path)}
+    assert ran == [] and [rows[n]["status"] for n in (64, 96, 128)] == ["ok", "skipped", "skipped"], rows
+    reason = rows[96]["reason"]
+    assert reason.startswith("not run: a forward+backward call predicted") and "measure.max_call_s=" in reason
+    assert "stop_on_oom" not in rows[128]["reason"] and "N=64 took" in rows[128]["reason"]
+    from harness.report.sweep import max_fitting
+
+    assert max_fitting(list(rows.values())) == (64, 96, "skipped (time)")  # the report: not a memory frontier
+    ran.clear()
+    run(compose_cfg(*common, "seq_lens=[64,96,128]"), output_dir=tmp_path)  # no cap: measured now
+    assert ran == [96, 128]
+    assert {r["seq_len"]: r["status"] for r in latest(rows_of(tmp_path))} == {64: "ok", 96: "ok", 128: "ok"}
+
+
 def test_tokens_per_batch_and_model_dim_set_b_and_h_per_point(tmp_path):
     cfg = compose_cfg("variant=full", "seq_lens=[32,64,128]", "tokens_per_batch=256", "model_dim=64", "head_dim=16",
                       "measure.min_run_time=0.01", "logger=none")
@@ -635,7 +667,7 @@ LATE_REFUSALS = [
     # a group of options given a value, a group's choice that is no name: tracebacks
     (["seq_len=32", "measure=5"], "measure is a group of options, set one by one (measure.KEY=VALUE; keys: passes, "
                                   "warmup_iters, min_run_time, min_samples, max_run_time, timer, memory, param_grads, "
-                                  "max_rel_iqr, max_other_cores, on_noise, max_tries); got measure=5"),
+                                  "max_rel_iqr, max_other_cores, on_noise, max_tries, max_call_s); got measure=5"),
     (["seq_len=32", "distributed=true"], "distributed is a group of options, set one by one (distributed.KEY=VALUE; "
                                          "keys: timeout_s); got distributed=True"),
     (["seq_len=32", "variant=5"], "unknown variant '5'; allowed: adaptive_span, blockwise, full, linear, reformer, ring, "

@@ -41,6 +41,18 @@ def test_too_few_samples_is_noisy_and_says_why(tmp_path):
     assert r.noisy and "samples < measure.min_samples=1000" in r.noise_reasons and "max_run_time=0.01" in r.noise_reasons
 
 
+def test_a_point_noisy_only_for_too_few_samples_is_not_retried(tmp_path):
+    """A slow call stays slow: retrying it would spend max_run_time per pass again for nothing. A point
+    noisy for another reason is still retried (the quietest kept)."""
+    (r,) = run(compose_cfg(*TINY, "measure.min_samples=1000", "measure.max_run_time=0.01", "measure.on_noise=retry",
+                           "measure.max_other_cores=1000"),
+               output_dir=tmp_path / "slow").rows
+    assert r.noisy and r.tries == 1 and "samples < measure.min_samples=1000" in r.noise_reasons
+    (r,) = run(compose_cfg(*TINY, "measure.max_rel_iqr=1e-9", "measure.on_noise=retry", "measure.max_tries=2"),
+               output_dir=tmp_path / "spread").rows
+    assert r.noisy and r.tries == 2 and "IQR" in r.noise_reasons
+
+
 def test_cpu_timing_of_long_calls_keeps_within_max_run_time():
     """Every call counts against max_run_time: the autorange's estimate and each block topped up (Timer's
     timeit would add two untimed calls per block: 11 calls of 0.2 s where 1 s allows 5)."""

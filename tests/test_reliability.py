@@ -572,7 +572,8 @@ def test_bad_measurement_and_budget_options_are_one_line_exit_2(tmp_path):
              (["memory_budget_gb=100000"], ["memory_budget_gb=100000", "MemTotal", f"{mem_total_bytes() / 1e9:.3g}"]),
              (["retry=[failed]"], ["retry", "error, oom, skipped, nonfinite, noisy"]),
              (["measure.on_noise=ignore"], ["on_noise", "flag, retry"]),
-             (["measure.min_samples=1"], ["min_samples", ">= 2"])]
+             (["measure.min_samples=1"], ["min_samples", ">= 2"]),
+             (["measure.max_call_s=-1"], ["measure.max_call_s", "> 0", "or null"])]
     for i, (args, words) in enumerate(cases):
         proc = cli("seq_lens=[32]", *args, f"hydra.run.dir={tmp_path / str(i)}")
         assert proc.returncode == 2, args

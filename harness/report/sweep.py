@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import one_line_errors
-from ..results import REPORT_DIR, atomic_write, from_timings, loglog_slope, write_csv
+from ..results import REPORT_DIR, SLOW, atomic_write, from_timings, loglog_slope, write_csv
 from .collect import (FULL, STATUSES, InputError, Series, columns, environment_fields, group_series, load_rows,
                       ok_value, series_labels)
 
@@ -128,9 +128,11 @@ def crossover(rows: Rows, ref: dict[int, float | None], metric: str) -> tuple[in
 
 
 def max_fitting(rows: Rows) -> tuple[int | None, int | None, str | None]:
-    """(largest ok N, first N that ran out of memory or was skipped, that status)."""
+    """(largest ok N, first N that ran out of memory or was skipped, that status: "skipped (time)" where
+    it was skipped as predicted too slow (measure.max_call_s), not for memory)."""
     ok = [r["seq_len"] for r in rows if r.get("status") == "ok"]
-    failed = [(r["seq_len"], r["status"]) for r in rows if r.get("status") in ("oom", "skipped")]
+    failed = [(r["seq_len"], "skipped (time)" if SLOW in (r.get("reason") or "") else r["status"])
+              for r in rows if r.get("status") in ("oom", "skipped")]
     first = min(failed) if failed else (None, None)
     return (max(ok) if ok else None), first[0], first[1]
 
