@@ -27,8 +27,9 @@ from .logger import sweep_group_name, wandb_run
 from .measure import measure_point, noise_reasons, retry_helps, spare_cores, timer_name
 from .memory import device_lost, is_out_of_memory, release_memory
 from .quality import quality, task_config, task_options
-from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, SLOW, TASK_OPT_PREFIX, JobStatus, LockedError, Result,
-                      ResultStore, Sink, Sweep, fit_exponents, machine, point_key, series_key, tflops, write_json)
+from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, SLOW, TASK_OPT_PREFIX, JobStatus, LockedError,
+                      Result, ResultStore, Sink, Sweep, fit_exponents, machine, point_key, series_key, tflops,
+                      write_json)
 from .signals import PENDING_INTERRUPTS, Terminated, TimeLimit, interrupts_deferred, raise_pending_interrupt  # noqa: F401
 
 
@@ -342,11 +343,10 @@ def lacking(row: Mapping[str, Any], s: Settings, here: tuple[Any, Any] | None = 
         return [f"measurement on this machine (it was measured on {name}{f', {threads} threads' if threads else ''})"]
     if row["status"] == "skipped" and not s.stop_on_oom and STOPPED in (row.get("reason") or ""):
         return ["a measurement (stop_on_oom had skipped it; stop_on_oom=false runs it)"]
-    cap = re.search(rf"{re.escape(SLOW)}=([0-9.e+-]+) ", row.get("reason") or "")
-    if row["status"] == "skipped" and cap:
-        if s.measure.max_call_s is None or s.measure.max_call_s > float(cap.group(1)):
-            return [f"a measurement ({SLOW}={cap.group(1)} had skipped it; now {s.measure.max_call_s})"]
     if row["status"] != "ok":
+        cap = re.search(rf"{re.escape(SLOW)}=([0-9.e+-]+) ", row.get("reason") or "")  # a skip for time
+        if cap and (s.measure.max_call_s is None or s.measure.max_call_s > float(cap.group(1))):
+            return [f"a measurement ({SLOW}={cap.group(1)} had skipped it; now {s.measure.max_call_s})"]
         return []
     lacks = [f"{name} time" for name in s.measure.passes if row.get(f"{name}_ms") is None]
     if s.measure.memory and row.get("peak_mem_bytes") is None:
