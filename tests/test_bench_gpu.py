@@ -257,12 +257,14 @@ def test_shell_scripts_parse_and_speak_of_the_project_only(script):
 
 
 def load_bench():
+    """scripts/bench_gpu.py, and the two modules beside it that it imports: (bench_gpu, bench_gpu_kernels,
+    bench_gpu_summary)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
     bench = sys.modules["bench_gpu"] = importlib.util.module_from_spec(spec)  # registered: its dataclasses need it
     spec.loader.exec_module(bench)
-    return bench
+    return bench, sys.modules["bench_gpu_kernels"], sys.modules["bench_gpu_summary"]
 
 
 def test_what_the_targets_need_runs_first(tmp_path):
@@ -272,14 +274,14 @@ def test_what_the_targets_need_runs_first(tmp_path):
     on CUDA)."""
     import torch
 
-    bench = load_bench()
+    bench, kernels, summary = load_bench()
     assert bench.STEPS == ("roof", "c-targets", "d", "a-targets", "c", "a")
     labels = [label for label, _, _ in bench.VARIANTS]
     ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cpu"), None, print, labels)
     assert [s.group for s in ctx.steps()] == sorted((s.group for s in ctx.steps()), key=bench.STEPS.index)
     steps = [s.name for s in ctx.steps("a")]
     assert steps[0] == "a:full:table21" and sorted(steps) == sorted(set(steps))
-    targets = [f"a:{t}" for t in bench.EXPONENT_TARGETS]
+    targets = [f"a:{t}" for t in summary.EXPONENT_TARGETS]
     assert steps[1:1 + len(targets)] == targets
     n2 = [i for i, s in enumerate(steps) if s.endswith(":n2")]
     assert n2 and n2 == list(range(len(steps) - len(n2), len(steps)))  # the other N×N backends last
@@ -288,14 +290,14 @@ def test_what_the_targets_need_runs_first(tmp_path):
         assert (step.preset, step.directory) == ("seq_len_scaling", f"a/{step.name.split(':')[1]}")
         o = dict(x.split("=", 1) for x in step.overrides)
         chosen = o["variant.backend"].split(",")
-        assert all(bench.n2(o["variant"], b) == step.name.endswith((":n2", ":table21")) for b in chosen), step
+        assert all(summary.n2(o["variant"], b) == step.name.endswith((":n2", ":table21")) for b in chosen), step
         assert (o["variant"] == "full" and chosen == ["math"]) == (step.name == "a:full:table21"), step
         assert "seq_lens" not in o  # the preset's, every length
     # a-targets: Table 21's sweep itself, and the exponent series from 4K under their own names (part a
     # still runs those, with every length)
     assert [s.name for s in ctx.steps("a-targets")] == ["a:full:table21", *[s.replace("a:", "a-targets:") for s in targets]]
     assert ctx.steps("a-targets")[0].overrides == ctx.steps("a")[0].overrides  # one sweep, not run twice
-    assert not bench.n2("linear", "math") and bench.n2("full", "math") and bench.n2("sparse", "dense")
+    assert not summary.n2("linear", "math") and summary.n2("full", "math") and summary.n2("sparse", "dense")
     # The lengths each target step asks for, from the presets' own lists
     assert bench.with_seq_lens("seq_len_scaling", ["variant=linear"], lambda n: n >= 4096) == [
         "variant=linear", "seq_lens=[4096,8192,16384,32768,65536]"]
@@ -308,14 +310,14 @@ def test_a_summary_is_judged_as_on_the_machine_that_measured(tmp_path):
     summarized again on a CPU machine are judged as a GPU's: not "skipped (needs CUDA)", and not waiting
     forever for a kernel under its CPU name. A comparison still waits for a kernel whose only row is an
     error, which part d tries once more (d_done)."""
-    bench = load_bench()
+    bench, kernels, summary = load_bench()
     cpu = torch.device("cpu")
     assert bench.measured_on(tmp_path, cpu) == cpu  # nothing recorded: this machine
     (tmp_path / "env.json").write_text(json.dumps([{"device": "cpu"}, {"device": "cuda"}]))
     assert bench.measured_on(tmp_path, cpu) == torch.device("cuda")
     rows = [{"label": "x", "name": "a", "status": "error"}, {"label": "x", "name": "b", "status": "error"},
             {"label": "x", "name": "b", "status": "error"}, {"label": "x", "name": "c", "status": "skipped"}]
-    assert bench.d_done(rows) == {("x", "b"), ("x", "c")}
+    assert summary.d_done(rows) == {("x", "b"), ("x", "c")}
 
 
 @pytest.mark.parametrize("N", [1024, 1000])
@@ -328,13 +330,13 @@ def test_each_public_kernel_computes_the_variants_pairs(N):
 
     from variants.xformers_backend import xformers_ops
 
-    bench, B = load_bench(), 2
+    (bench, kernels, summary), B = load_bench(), 2
     for label, variant, options in bench.VARIANTS:
-        if label not in bench.COMPARED:
+        if label not in summary.COMPARED:
             continue
         attn = variants.build(variant, **options)
         want = attn.mask(N, False)
-        specs = bench.public_specs(label, attn, B, N, torch.device("cpu"))
+        specs = kernels.public_specs(label, attn, B, N, torch.device("cpu"))
         assert specs, label
         for name, (kind, what) in specs.items():
             if kind == "flex":
@@ -359,8 +361,8 @@ def test_compiled_backends_run_after_every_kernel_that_does_not_compile_in_their
     c-targets the roof target's N and D, non-causal."""
     import torch
 
-    bench = load_bench()
-    monkeypatch.setattr(bench, "backends", lambda variant, options, device: ["flex", "blocksparse", "dense", "xformers"])
+    bench, kernels, summary = load_bench()
+    monkeypatch.setattr(bench.Context, "backends", lambda self, label: ["flex", "blocksparse", "dense", "xformers"])
     labels = ["sliding_window", "linear", "sparse-fixed"]
     ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cuda"), None, print, labels)
 
@@ -398,18 +400,18 @@ def test_public_kernels_compiled_per_shape_are_timed_after_every_other(tmp_path)
     """On a CUDA machine d:public's kernels at the benchmark's shape, for each compared variant, once each;
     raw FlexAttention after every one that is not compiled, so that a budget spent compiling has measured
     the rest first."""
-    bench = load_bench()
+    bench, kernels, summary = load_bench()
     labels = [label for label, _, _ in bench.VARIANTS]
     ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cuda"), None, print, labels)
-    kernels = bench.public_list(ctx)
+    kernels = kernels.public_list(ctx)
     names = [(label, name) for label, name, *_ in kernels]
-    assert len(names) == len(set(names)) and {label for label, _ in names} == set(bench.COMPARED)
+    assert len(names) == len(set(names)) and {label for label, _ in names} == set(summary.COMPARED)
     compiled = [c for _, _, c, _ in kernels]
     assert compiled == sorted(compiled) and any(compiled)
-    assert all(c == (name.startswith("FlexAttention") or name == bench.OURS_BARE) for _, name, c, _ in kernels)
+    assert all(c == (name.startswith("FlexAttention") or name == summary.OURS_BARE) for _, name, c, _ in kernels)
     assert ("sliding_window", "xformers LocalAttentionFromBottomRightMask(256, 256)") in names
     # Our flex backend, bare, beside each pattern's public kernels (every compared variant has one)
-    assert {label for label, name in names if name == bench.OURS_BARE} == set(bench.COMPARED)
+    assert {label for label, name in names if name == summary.OURS_BARE} == set(summary.COMPARED)
 
 
 def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_exactly(smoke, tmp_path):
@@ -452,15 +454,15 @@ def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_
     # others meanwhile
     (path,) = [p for p in (bench / "a" / "linear").rglob("results.jsonl") if "variant.backend=math" in str(p)]
     path.write_text("".join(x + "\n" for x in path.read_text().splitlines() if x.strip() and json.loads(x)["seq_len"] != SMOKE_N[-1]))
-    mod = load_bench()
-    ctx = mod.Context(mod.SMOKE_PLAN, bench, torch.device("cpu"), None, print, list(LABELS))
-    lin = {t["target"]: t for t in mod.analyse(ctx)["targets"]}["exponent_linear"]
+    bench_gpu, _, summary = load_bench()
+    ctx = bench_gpu.Context(bench_gpu.SMOKE_PLAN, bench, torch.device("cpu"), None, print, list(LABELS))
+    lin = {t["target"]: t for t in summary.analyse(ctx)["targets"]}["exponent_linear"]
     assert lin["status"] == "not measured" and lin["detail"].endswith("not yet measured: math"), lin
     # A comparison waits for each of our backends' rows too, whatever its sweep's exit said
     for path in (bench / "d" / "blockwise-local").rglob("results.jsonl"):
         path.write_text("")
-    bl = {t["target"]: t for t in mod.analyse(ctx)["targets"]}["compare_blockwise-local"]
-    want = ", ".join(f"ours {b}" for b in mod.compared_backends(ctx, "blockwise", {"mode": "local"}))
+    bl = {t["target"]: t for t in summary.analyse(ctx)["targets"]}["compare_blockwise-local"]
+    want = ", ".join(f"ours {b}" for b in ctx.compared_backends("blockwise-local"))
     assert bl["status"] == "not measured" and f"not yet measured: {want}, " in bl["detail"], bl
 
 
@@ -527,7 +529,7 @@ def test_a_test_run_with_outcomes_goes_on_where_the_last_one_stopped(tmp_path):
 def test_a_bar_in_a_cell_stays_in_its_column():
     """sliding_window's public kernel is named "FlexAttention mask_mod |q-kv| <= w": unescaped, its bars
     made new columns in SUMMARY.md's tables."""
-    assert load_bench().table(["kernel", "ms"], [["FlexAttention mask_mod |q-kv| <= 4", 1.5]])[2] == \
+    assert load_bench()[2].table(["kernel", "ms"], [["FlexAttention mask_mod |q-kv| <= 4", 1.5]])[2] == \
         "| FlexAttention mask_mod \\|q-kv\\| <= 4 | 1.5 |"
 
 

@@ -1,0 +1,319 @@
+"""What a harness sweep cannot measure, for scripts/bench_gpu.py (each a step run in a process of its own,
+``ctx`` its Context): the matmul roof (roof.json), the public kernels of part d's patterns beside our flex
+backend called bare (d/compare.jsonl) and the harness's timing against raw do_bench of the same callable
+(d/overhead.json). On CPU (the dry run) what needs CUDA is recorded skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from bench_gpu_summary import COMPARED, OURS_BARE, d_done, fmt, side_rows
+from harness.config import one_line
+from harness.env import now
+from harness.results import write_json
+
+if TYPE_CHECKING:
+    from bench_gpu import Context
+
+NEEDS_CUDA = "skipped: needs CUDA"
+BUDGET_SPENT = 3  # the exit status of a step that the budget stopped (not a failure)
+# Three kinds of kernel: a pinned SDPA one, a compiled one (FlexAttention: on any CUDA machine with triton;
+# xformers' wheels did not run on the H100's CUDA 13) and a composition of torch ops
+OVERHEAD_CASES = [("full", "sdpa_flash"), ("sliding_window", "flex"), ("linear", "sdpa")]
+
+
+def part_roof(ctx: Context) -> int:
+    """The device's matmul rate: an n×n×n torch.matmul of fresh randn, median of do_bench."""
+    if ctx.device.type != "cuda":
+        write_json(ctx.out / "roof.json", {"status": NEEDS_CUDA})
+        return 0
+    from triton.testing import do_bench
+
+    n = ctx.plan.roof_size
+    out: dict[str, Any] = {"status": "ok", "size": n, "timer": "triton.testing.do_bench(median, rep=500 ms)",
+                           "tflops": {}, "date": now()}
+    for dtype in ("bfloat16", "float16"):
+        g = torch.Generator(device=ctx.device).manual_seed(0)
+        x, y = (torch.randn(n, n, device=ctx.device, dtype=getattr(torch, dtype), generator=g) for _ in range(2))
+        ms = do_bench(lambda x=x, y=y: torch.matmul(x, y), warmup=100, rep=500, return_mode="median")
+        out["tflops"][dtype] = 2 * n**3 / (ms * 1e-3) / 1e12
+        ctx.log(f"[roof] {dtype} {n}^3: {ms:.3f} ms = {out['tflops'][dtype]:.1f} TFLOP/s")
+        del x, y
+    write_json(ctx.out / "roof.json", out)
+    return 0
+
+
+# ----- d: the harness's overhead and the public kernels (steps of this script's own) ----------------
+
+class Unavailable(Exception):
+    """A public kernel that cannot run here (reason: one line)."""
+
+
+def fwd_bwd_call(f: Callable, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    """A forward+backward call of ``f`` on fresh randn inputs already in the kernel's own layout."""
+    g = torch.Generator(device=device).manual_seed(1)
+    q, k, v, dout = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def call() -> None:
+        q.grad = k.grad = v.grad = None
+        f(q, k, v).backward(dout)
+    return call
+
+
+def public_specs(label: str, attn, B: int, N: int, device: torch.device) -> dict[str, tuple[str, Any]]:
+    """The best public kernels for a variant's pattern, as what defines the pairs each one computes: name ->
+    ("xformers", attn_bias module -> bias over (N, N)), ("xformers_flat", ... -> bias over the batch's
+    B·N rows flattened), ("flex", factory of a mask_mod) or ("sdpa_blocks", block size). tests/test_bench_gpu.py
+    materializes each on CPU against the variant's mask: a ratio between two different functions would
+    mean nothing."""
+    if label == "sliding_window":
+        w = attn.options.window
+        return {f"xformers LocalAttentionFromBottomRightMask({w}, {w})":
+                ("xformers", lambda ab: ab.LocalAttentionFromBottomRightMask(window_left=w, window_right=w)),
+                f"FlexAttention mask_mod |q-kv| <= {w}": ("flex", lambda: (lambda b, h, q, kv: (q - kv).abs() <= w))}
+    if label == "blockwise-local":
+        b = attn.options.block_size
+        per_seq = [b] * (N // b) + ([N % b] if N % b else [])  # the last block shorter, as the variant's
+        specs = {f"xformers BlockDiagonalMask (blocks of {b})":
+                 ("xformers_flat", lambda ab: ab.BlockDiagonalMask.from_seqlens(per_seq * B, device=device)),
+                 f"FlexAttention mask_mod q//{b} == kv//{b}": ("flex", lambda: (lambda bb, h, q, kv: q // b == kv // b))}
+        if N % b == 0:
+            specs[f"SDPA{' flash' if device.type == 'cuda' else ''} on (B·N/{b}, H, {b}, D) blocks"] = ("sdpa_blocks", b)
+        return specs
+    bs = attn.engine_block_size(N)  # sparse: the variant's own block layout, as a mask_mod
+
+    def layout_mod():
+        from variants.flex import _layout_lookup  # padded: the kernel's last tile may reach past N
+
+        allowed = _layout_lookup(attn.layout(N, False), bs, N, device)
+        return lambda b, h, q, kv: allowed(q, kv)
+    return {f"FlexAttention mask_mod layout[q//{bs}, kv//{bs}]": ("flex", layout_mod)}
+
+
+def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torch.dtype,
+                   device: torch.device) -> dict[str, tuple[str, Callable[[], Callable[[], None]]]]:
+    """public_specs as builders of a forward+backward call, each on inputs in the kernel's own layout:
+    name -> (kind, build)."""
+    cuda, scale = device.type == "cuda", D ** -0.5
+
+    def xformers(bias_fn, flat: bool):
+        def build():
+            if not cuda:
+                raise Unavailable(f"{NEEDS_CUDA} (xformers runs no attention on CPU)")
+            from variants.xformers_backend import unavailable_reason, xformers_ops
+
+            if (reason := unavailable_reason(device)) is not None:  # said, not replaced
+                raise Unavailable(reason)
+            xops = xformers_ops()
+            bias = bias_fn(xops.fmha.attn_bias)
+            shape = (1, B * N, H, D) if flat else (B, N, H, D)  # xformers' own layout
+            return fwd_bwd_call(lambda q, k, v: xops.memory_efficient_attention(q, k, v, attn_bias=bias, scale=scale),
+                                shape, dtype, device)
+        return build
+
+    def flex(mask_mod):
+        def build():
+            if not cuda:
+                raise Unavailable(f"{NEEDS_CUDA} (FlexAttention has no backward on CPU)")
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            from variants.flex import compiled_flex_attention
+
+            start = time.perf_counter()
+            bm = create_block_mask(mask_mod(), None, None, N, N, device=device, BLOCK_SIZE=128)
+            torch.cuda.synchronize()
+            build.block_mask_s = time.perf_counter() - start  # reported apart from the kernel's time
+            fn = compiled_flex_attention()
+            return fwd_bwd_call(lambda q, k, v: fn(q, k, v, block_mask=bm, scale=scale), (B, H, N, D), dtype, device)
+        return build
+
+    def sdpa_blocks(b):
+        def build():
+            import torch.nn.functional as F
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def f(q, k, v):
+                if not cuda:
+                    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+            return fwd_bwd_call(f, (B * N // b, H, b, D), dtype, device)
+        return build
+
+    def ours_bare():
+        def build():
+            if not cuda:
+                raise Unavailable(f"{NEEDS_CUDA} (FlexAttention has no backward on CPU)")
+            import variants
+
+            mine = variants.build(attn.name, **{**asdict(attn.options), "backend": "flex"})
+            start = time.perf_counter()
+            mine.prepare(N, False, device)
+            torch.cuda.synchronize()
+            build.block_mask_s = time.perf_counter() - start
+            return fwd_bwd_call(lambda q, k, v: mine(q, k, v), (B, H, N, D), dtype, device)
+        return build
+
+    builders = {"xformers": lambda x: xformers(x, False), "xformers_flat": lambda x: xformers(x, True),
+                "flex": flex, "sdpa_blocks": sdpa_blocks}
+    specs = public_specs(label, attn, B, N, device)
+    kernels = {name: (kind, builders[kind](what)) for name, (kind, what) in specs.items()}
+    if "flex" in attn.backend_names():  # not a public kernel: it tells where a gap to FlexAttention lies
+        kernels[OURS_BARE] = ("flex", ours_bare())
+    return kernels
+
+
+def timed(ctx: Context, build: Callable[[], Callable[[], None]]) -> dict[str, Any]:
+    """Builds a call, times its first call apart (compilation, plans) and then its median with the
+    harness's own timer (do_bench on GPU)."""
+    from harness.config import MeasureOptions
+    from harness.measure import synchronize, time_fn
+    from harness.memory import device_lost, release_memory
+
+    row: dict[str, Any] = {"status": "ok", "reason": None}
+    try:
+        fn = build()
+        start = time.perf_counter()
+        fn()
+        synchronize(ctx.device)
+        row["first_call_s"] = time.perf_counter() - start
+        row["block_mask_s"] = getattr(build, "block_mask_s", None)
+        t = time_fn(fn, ctx.device, MeasureOptions(min_run_time=0.01 if ctx.plan.smoke else 0.1, min_samples=2))
+        row.update(fwd_bwd_ms=t.median_ms, fwd_bwd_iqr_ms=t.iqr_ms)
+        if ctx.device.type == "cuda":  # the state the kernel ran in: a throttled clock is a slower kernel
+            from harness.env import nvidia_smi
+
+            row["gpu_after"] = nvidia_smi("clocks.sm,temperature.gpu,power.draw")
+    except Unavailable as e:
+        row.update(status="skipped" if NEEDS_CUDA in str(e) else "unavailable", reason=str(e))
+    except Exception as e:  # an oom or a kernel that refuses the shape: recorded, the next one runs
+        row.update(status="error", reason=one_line(f"{type(e).__name__}: {e}")[:300])
+    release_memory(ctx.device)
+    if row["status"] == "error" and device_lost(ctx.device):  # every later kernel of this process would fail
+        row["reason"] += " (the CUDA context is lost: part d stops; a new invocation goes on)"
+        ctx.lost = True
+    return row
+
+
+def public_list(ctx: Context) -> list[tuple[str, str, bool, Callable[[], Callable[[], None]]]]:
+    """(label, name, compiled, build) of every kernel d:public times (the public ones, and ours bare), in the
+    order it times them:
+    those compiled per call shape (FlexAttention) after every one that is not, so that a call cut short
+    by its budget has not spent it compiling."""
+    (B, H, D), N = ctx.plan.shape, ctx.plan.compare_seq_len
+    dtype = getattr(torch, ctx.plan.dtype if ctx.device.type == "cuda" else "float32")
+    kernels = [(label, name, kind == "flex", build) for label in COMPARED if label in ctx.labels
+               for name, (kind, build) in public_kernels(label, ctx.build(label), B, H, N, D, dtype, ctx.device).items()]
+    return sorted(kernels, key=lambda k: k[2])  # stable: COMPARED's order otherwise
+
+
+def part_public(ctx: Context) -> int:
+    """Each public kernel not yet done; 0 once all are."""
+    path = ctx.out / "d" / "compare.jsonl"
+    have = d_done(side_rows(path))
+    for label, name, _, build in public_list(ctx):
+        if (label, name) in have:
+            continue
+        if ctx.left() < 20:
+            ctx.log("[d:public] the budget is spent: run again to continue")
+            return BUDGET_SPENT
+        row = {"label": label, "seq_len": ctx.plan.compare_seq_len, "kind": "ours-bare" if name == OURS_BARE else "public",
+               "name": name, **timed(ctx, build), "date": now()}
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        ctx.log(f"[d:public] {label} N={row['seq_len']} {name}: {row['status']} {fmt(row.get('fwd_bwd_ms'))} ms"
+                + (f" ({row['reason']})" if row["reason"] else ""))
+        if ctx.lost:
+            return 1  # a new process goes on (run_step's second attempt, or the next call)
+    return 0
+
+
+def raw_timer(device: torch.device) -> Callable[[Callable[[], Any], int, list[torch.Tensor]], float]:
+    """(fn, rep_ms, grads) -> median ms of a bare call: triton's do_bench on CUDA; on CPU (the dry run)
+    torch.utils.benchmark's blocked_autorange, gradients cleared before each call as do_bench does."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn, rep, grads: do_bench(fn, rep=rep, grad_to_none=grads, return_mode="median")
+    from torch.utils import benchmark
+
+    def cpu(fn: Callable[[], Any], rep: int, grads: list[torch.Tensor]) -> float:
+        def call() -> None:
+            for t in grads:
+                t.grad = None
+            fn()
+        timer = benchmark.Timer("call()", globals={"call": call}, num_threads=torch.get_num_threads())  # its default: 1
+        return timer.blocked_autorange(min_run_time=rep / 1e3).median * 1e3
+    return cpu
+
+
+def part_overhead(ctx: Context) -> int:
+    """The harness's fwd and fwd_bwd medians against raw do_bench of the same callable and shape (raw
+    before and after the harness; their mean is the reference). On CPU the same code runs the cases
+    whose backend runs there, against torch.utils.benchmark: the dry run's check of the path, no target."""
+    import variants
+
+    from harness.memory import release_memory
+    from harness.run import run
+
+    (ctx.out / "d").mkdir(parents=True, exist_ok=True)
+
+    (B, H, D), N, rep = ctx.plan.shape, ctx.plan.overhead_seq_len, 100
+    dtype, raw_ms = ctx.plan.dtype if ctx.device.type == "cuda" else "float32", raw_timer(ctx.device)
+    cases = []
+    for variant, backend in OVERHEAD_CASES:
+        case: dict[str, Any] = {"variant": variant, "backend": backend, "seq_len": N, "status": "ok"}
+        try:
+            # The same work as the harness's: no gradients for the variant's own parameters (linear's E, F;
+            # measure.param_grads is off), input gradients cleared before every call.
+            attn = variants.build(variant, backend=backend).requires_grad_(False)
+            if (reason := attn.unavailable(backend, ctx.device)) is not None:
+                raise Unavailable(NEEDS_CUDA if ctx.device.type != "cuda" else f"skipped: {reason}")
+            attn = attn.to(ctx.device)
+            g = torch.Generator(device=ctx.device).manual_seed(0)
+            q, k, v, dout = (torch.randn((B, H, N, D), generator=g, device=ctx.device, dtype=getattr(torch, dtype))
+                             for _ in range(4))
+            for t in (q, k, v):
+                t.requires_grad_()
+            calls = {"fwd": lambda: attn(q, k, v), "fwd_bwd": lambda: attn(q, k, v).backward(dout)}
+            calls["fwd_bwd"]()
+
+            def raw_times() -> dict[str, float]:
+                return {p: raw_ms(c, rep, [q, k, v]) for p, c in calls.items()}
+            raw = [raw_times()]
+            cfg = {"variant": {"_target_": type(attn).__module__.split(".")[0] + "." + type(attn).__name__,
+                               "backend": backend},
+                   "seq_lens": [N], "batch_size": B, "num_heads": H, "head_dim": D, "dtype": dtype,
+                   "device": ctx.device.type, "fidelity": {"enabled": False}, "logger": {"name": "none"},
+                   "measure": {"passes": ["fwd", "fwd_bwd"], "memory": False, "min_run_time": rep / 1e3},
+                   # measured now, between the raw timings: a row an interrupted earlier call stored (maybe
+                   # on another machine) would be compared with this call's raw numbers
+                   "resume": False}
+            rec = run(cfg, output_dir=ctx.out / "d" / "overhead" / variant).rows[-1].record()
+            raw.append(raw_times())
+            for p in calls:
+                ref = (raw[0][p] + raw[1][p]) / 2
+                case[p] = {"harness_ms": rec[f"{p}_ms"], "harness_iqr_ms": rec[f"{p}_iqr_ms"],
+                           "raw_ms": [raw[0][p], raw[1][p]],
+                           "overhead": None if rec[f"{p}_ms"] is None else rec[f"{p}_ms"] / ref - 1}
+        except Unavailable as e:
+            case.update(status="skipped", reason=str(e))
+        except Exception as e:
+            case.update(status="error", reason=one_line(f"{type(e).__name__}: {e}")[:300])
+        release_memory(ctx.device)
+        cases.append(case)
+        ctx.log(f"[d:overhead] {variant}/{backend}: {case}")
+    write_json(ctx.out / "d" / "overhead.json", {"status": "ok", "timer": f"{'do_bench' if ctx.device.type == 'cuda' else 'blocked_autorange'}"
+                      f"(median, rep={rep} ms)", "cases": cases, "date": now()})
+    return 0
+
+
+# ----- summary -------------------------------------------------------------------------------------
