@@ -49,7 +49,7 @@ def part_roof(ctx: Context) -> int:
     return 0
 
 
-# ----- d: the harness's overhead and the public kernels (steps of this script's own) ----------------
+# ----- d: the harness's overhead and the public kernels ----------------------------------------
 
 class Unavailable(Exception):
     """A public kernel that cannot run here (reason: one line)."""

@@ -51,7 +51,8 @@ def rows_of(path: Path) -> list[dict[str, Any]]:
 
 
 def side_rows(path: Path) -> list[dict[str, Any]]:
-    """The whole rows of one of this script's own .jsonl files (a line cut by a kill is left out)."""
+    """The whole rows of one of the benchmark's own .jsonl files (compare.jsonl, tests-gpu.jsonl); a line
+    cut by a kill is left out."""
     return read_jsonl(path, check=lambda r: None if isinstance(r, dict) else "not a JSON object") if path.exists() else []
 
 
