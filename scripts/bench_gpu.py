@@ -11,7 +11,8 @@ harness sweeps of the presets in conf/sweep/, except roof, d's overhead and publ
 script runs in a process of its own:
   roof       n×n×n torch.matmul in bf16 and fp16, triton.testing.do_bench median -> roof.json
   c-targets  fa2_full at the roof target's point (N=16K, D=128, non-causal), every full backend -> c/
-  d          the harness's timing against raw do_bench of the same callable -> d/overhead.json;
+  d          the harness's timing against raw do_bench of the same callable, three harness runs each
+             between two raw timings -> d/overhead.json;
              pattern_compare: each efficient variant whose pattern a public kernel computes, every backend
              -> d/<variant>/; at the same point the public kernels (raw xformers, raw FlexAttention with the
              pattern's mask_mod, SDPA on blocks; first call and BlockMask timed apart), and our flex backend

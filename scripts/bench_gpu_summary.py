@@ -265,16 +265,18 @@ def overhead_target(ctx: Context, res: dict[str, Any]) -> None:
     worst = max(vals, key=lambda x: abs(x[1]), default=None)  # faster than raw would be a discrepancy too
 
     def spread(key: str) -> str:
-        """The worst case's spread, to judge it by: the harness's IQR (from its row where an older
-        overhead.json lacks it) and the two raw timings around it."""
+        """The worst case's spread, to judge it by: each harness run with its IQR, and the raw timings
+        around them. An older overhead.json has one harness run (its IQR, or none: then its row's)."""
         (cs, p), = [(cs, p) for cs in ov["cases"] for p in ("fwd", "fwd_bwd")
                     if f"{cs['variant']}/{cs['backend']} {p}" == key]
-        iqr = cs[p].get("harness_iqr_ms")
-        if iqr is None:
-            iqr = next((r.get(f"{p}_iqr_ms") for r in rows_of(ctx.out / "d" / "overhead" / cs["variant"])), None)
-        raw = " and ".join(f"{x:.4g}" for x in cs[p]["raw_ms"])
-        share = f"{iqr / cs[p]['harness_ms']:.1%}" if iqr is not None else "-"
-        return f"harness {cs[p]['harness_ms']:.4g} ms, IQR {share} of it; raw before and after {raw} ms"
+        runs, iqrs = cs[p].get("harness_runs_ms", [cs[p]["harness_ms"]]), cs[p].get("harness_iqr_ms")
+        if iqrs is None:
+            iqrs = next((r.get(f"{p}_iqr_ms") for r in rows_of(ctx.out / "d" / "overhead" / cs["variant"])), None)
+        iqrs = iqrs if isinstance(iqrs, list) else [iqrs]
+        harness = ", ".join(f"{ms:.4g} ms (IQR {'-' if iqr is None else f'{iqr / ms:.1%}'})"
+                            for ms, iqr in zip(runs, iqrs))
+        raw = ", ".join(f"{x:.4g}" for x in cs[p]["raw_ms"])
+        return f"harness run{'s' if len(runs) > 1 else ''} {harness}; raw, before and after each, {raw} ms"
     res["overhead"] = ov
     res["targets"].append(target(
         "overhead", "the harness's timing within 3% of raw do_bench of the same callable", worst and worst[1],

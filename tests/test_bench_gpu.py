@@ -146,12 +146,18 @@ def test_the_overhead_path_runs_the_harness_on_cpu_too(smoke):
     cases = {(c["variant"], c["backend"]): c for c in ov["cases"]}
     assert cases[("linear", "sdpa")]["status"] == "ok", cases
     assert [c["reason"] for k, c in cases.items() if k != ("linear", "sdpa")] == ["skipped: needs CUDA"] * 2
-    (row,) = load_rows(tmp / "bench" / "d" / "overhead" / "linear")
+    # Three harness runs, each between two raw timings (four): the median run over the median raw timing
+    runs = [load_rows(tmp / "bench" / "d" / "overhead" / "linear" / f"run-{i}") for i in range(3)]
+    assert [len(rows) for rows in runs] == [1, 1, 1]
     for p in ("fwd", "fwd_bwd"):
         case = cases[("linear", "sdpa")][p]
-        assert case["harness_ms"] == row[f"{p}_ms"] and len(case["raw_ms"]) == 2
-        assert case["overhead"] == pytest.approx(row[f"{p}_ms"] / (sum(case["raw_ms"]) / 2) - 1)
-    assert (row["seq_len"], row["batch_size"], row["dtype"], row["device"]) == (256, 1, "float32", "cpu")
+        assert case["harness_runs_ms"] == [rows[0][f"{p}_ms"] for rows in runs] and len(case["raw_ms"]) == 4
+        assert case["harness_iqr_ms"] == [rows[0][f"{p}_iqr_ms"] for rows in runs]
+        assert case["harness_ms"] == sorted(case["harness_runs_ms"])[1]
+        raw = sorted(case["raw_ms"])
+        assert case["overhead"] == pytest.approx(case["harness_ms"] / ((raw[1] + raw[2]) / 2) - 1)
+    for (row,) in runs:
+        assert (row["seq_len"], row["batch_size"], row["dtype"], row["device"]) == (256, 1, "float32", "cpu")
 
 
 def test_the_gpu_tests_outcomes_are_kept_and_summarised(smoke):
@@ -524,6 +530,43 @@ def test_a_test_run_with_outcomes_goes_on_where_the_last_one_stopped(tmp_path):
     assert [(json.loads(x)["test"].split("::")[1], json.loads(x)["outcome"]) for x in lines[:1] + lines[2:]] == [
         (first, "passed"), (second, "passed"), ("test_backend_sets", "passed")]
     pytest(f"{first} or {second} or test_backend_sets", rc=5)  # nothing left to run (gpu_job.sh: all have run)
+
+
+def test_the_overhead_is_the_median_harness_run_over_the_median_raw_timing(tmp_path):
+    """One harness run of three disturbed (as the H100 showed once: +13.6% in one case, the others within
+    0.8%) neither passes nor fails the target; all three slow fail it, with every run and raw timing in
+    the gap. An overhead.json of one harness run (the first layout) is still read."""
+    import torch
+
+    bench, kernels, summary = load_bench()
+    ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cuda"), None, print, ["linear"])
+    (tmp_path / "d").mkdir()
+
+    def judged(runs, raw):
+        mid = sorted(runs)[1]
+        ref = sorted(raw)
+        case = {"variant": "linear", "backend": "sdpa", "status": "ok",
+                **{p: {"harness_ms": mid, "harness_runs_ms": runs, "harness_iqr_ms": [0.01] * 3, "raw_ms": raw,
+                       "overhead": mid / ((ref[1] + ref[2]) / 2) - 1} for p in ("fwd", "fwd_bwd")}}
+        (tmp_path / "d" / "overhead.json").write_text(json.dumps({"cases": [case]}))
+        res = {"targets": []}
+        summary.overhead_target(ctx, res)
+        return res["targets"][0]
+
+    raw = [1.054, 1.05, 1.053, 1.052]
+    assert judged([1.196, 1.055, 1.051], raw)["status"] == "met"
+    t = judged([1.196, 1.18, 1.19], raw)
+    assert t["status"] == "missed" and t["gap"].startswith("linear/sdpa fwd: +13.06% (harness runs 1.196 ms (IQR 0.8%), "
+                                                           "1.18 ms (IQR 0.8%), 1.19 ms (IQR 0.8%); raw, before and "
+                                                           "after each, 1.054, 1.05, 1.053, 1.052 ms)"), t
+    old = {"variant": "linear", "backend": "sdpa", "status": "ok",
+           **{p: {"harness_ms": 1.196, "harness_iqr_ms": 0.0947, "raw_ms": [1.054, 1.053], "overhead": 0.1356}
+              for p in ("fwd", "fwd_bwd")}}
+    (tmp_path / "d" / "overhead.json").write_text(json.dumps({"cases": [old]}))
+    res = {"targets": []}
+    summary.overhead_target(ctx, res)
+    assert res["targets"][0]["gap"] == "linear/sdpa fwd: +13.56% (harness run 1.196 ms (IQR 7.9%); raw, before and " \
+                                       "after each, 1.054, 1.053 ms)"
 
 
 def test_a_bar_in_a_cell_stays_in_its_column():
