@@ -112,6 +112,10 @@ class Step:
 
 
 class Context:
+    """One invocation: the plan, the results directory and its state.json, the device, the budget left,
+    the labels chosen; and what each label is on the device, for bench_gpu_kernels and
+    bench_gpu_summary too (they read no other module's definitions of the job)."""
+
     def __init__(self, plan: Plan, out: Path, device: torch.device, budget_s: float | None, log,
                  labels: list[str]) -> None:
         self.plan, self.out, self.device, self.log, self.labels = plan, out, device, log, labels
@@ -140,7 +144,7 @@ class Context:
         self.state[name] = outcome
         write_json(self.out / "state.json", self.state)
 
-    # What the labels are on this device (bench_gpu_summary judges with these too)
+    # What a label is on this device
     def build(self, label: str):
         import variants
 
@@ -152,7 +156,8 @@ class Context:
 
     def compared_backends(self, label: str) -> list[str]:
         """The backends part d times for a pattern: every one the device has but the N×N one, compiled last."""
-        return sorted((b for b in self.backends(label) if not n2(self.build(label).name, b)), key=lambda b: b in COMPILED)
+        name = self.build(label).name
+        return sorted((b for b in self.backends(label) if not n2(name, b)), key=lambda b: b in COMPILED)
 
     def public_names(self, label: str) -> list[str]:
         """The kernels d:public times for a pattern (the public ones, and ours bare)."""
