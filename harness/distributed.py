@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from variants.seqpar import SequenceParallel, shard
 
 from .config import ConfigError, Settings, one_line
-from .measure import Timing, _stats, measure_point, synchronize
+from .measure import Timing, _stats, measure_point, synchronize, with_before
 
 CONTROL_SLACK_S = 600  # the control group waits for a whole point: timeout_s plus the passes' budget plus this
 
@@ -116,8 +116,11 @@ def check(settings: Settings, attn, device: torch.device) -> None:
 
 # ----- timing every rank in step -----------------------------------------------------------------
 
-def time_in_step(fn: Callable[[], object], device: torch.device, opts, group) -> Timing:
-    """Median and IQR over samples of the slowest rank's time per call (see module doc)."""
+def time_in_step(fn: Callable[[], object], device: torch.device, opts, group,
+                 before: Callable[[], object] | None = None) -> Timing:
+    """Median and IQR over samples of the slowest rank's time per call (see module doc); ``before`` runs
+    ahead of every call, inside the timed block (as on CPU: ``measure.time_fn``)."""
+    fn = with_before(fn, before)
     def timed(calls: int) -> float:
         dist.barrier(group=group)
         synchronize(device)
@@ -224,7 +227,7 @@ class Team:
                           head_dim=s.head_dim, dtype=s.torch_dtype, device=self.device, causal=s.causal,
                           seed=s.seed, opts=s.measure, record=rec, on_phase=phase,
                           shard=lambda t: shard(t, self.rank, P, attn.layout_name).contiguous(),
-                          timer_fn=lambda fn, device, opts: time_in_step(fn, device, opts, group))
+                          timer_fn=lambda fn, device, opts, before=None: time_in_step(fn, device, opts, group, before))
             dist.destroy_process_group(group)  # a failed point's group is abandoned instead
         except Exception as e:
             rec.update(failure(e))

@@ -8,8 +8,9 @@ Per point:
 3. Peak memory of one forward+backward with the input gradients reset (``harness.memory``): extra over
    the inputs; on GPU also the allocator's absolute and reserved peaks.
 4. Time, separately: the forward (of training: autograd records the graph), the backward
-   (``out.backward(grad, retain_graph=True)`` on one forward run outside the timer, input gradients
-   reset in every call) and forward+backward. CPU: ``torch.utils.benchmark.Timer`` on all of torch's
+   (``out.backward(grad, retain_graph=True)`` on one forward run outside the timer) and forward+backward,
+   the input gradients cleared before every call (on GPU outside the timed region, as do_bench's
+   ``grad_to_none``). CPU: ``torch.utils.benchmark.Timer`` on all of torch's
    threads with ``blocked_autorange`` (or ``adaptive_autorange``); GPU: ``triton.testing.do_bench``'s
    method (CUDA events around every call, L2 flushed before it), written out so that a long call still
    gets ``min_samples`` calls (``cuda_time_fn``). Median and interquartile range of the per-call times,
@@ -84,12 +85,16 @@ def gpu_repeats(estimate_ms: float, opts: MeasureOptions) -> int:
     return min(max(int(opts.min_run_time * 1e3 / max(estimate_ms, 1e-6)), opts.min_samples), fit)
 
 
-def cuda_time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOptions) -> Timing:
+def cuda_time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOptions,
+                 before: Callable[[], object] | None = None) -> Timing:
     """``triton.testing.do_bench``'s method with the harness's sample rule (``gpu_repeats``): one untimed
     call; the estimate of one call (over five when they are short, as do_bench); warm-up calls for 25 ms
     (none past that: the untimed call and the estimate were warm-up enough); then every call between two
-    CUDA events, with a 256 MiB buffer written before it so no input is served from L2. Per-call ms."""
+    CUDA events, with a 256 MiB buffer written before it so no input is served from L2. ``before`` runs
+    ahead of every call, outside the events, as do_bench's ``grad_to_none`` clears the gradients: the
+    timed call is the one a raw do_bench of ``fn`` times. Per-call ms."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    before = before or (lambda: None)
 
     def events(n: int) -> list[torch.cuda.Event]:
         return [torch.cuda.Event(enable_timing=True) for _ in range(n)]
@@ -98,21 +103,25 @@ def cuda_time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOp
         start, end = events(2)
         start.record()
         for _ in range(n):
+            before()
             flush.zero_()
             fn()
         end.record()
         torch.cuda.synchronize(device)
         return start.elapsed_time(end) / n
 
+    before()
     fn()
     torch.cuda.synchronize(device)
     estimate = mean_ms(1)
     if 5 * estimate < opts.min_run_time * 1e3:
         estimate = mean_ms(5)
     for _ in range(int(GPU_WARMUP_MS / max(estimate, 1e-6))):
+        before()
         fn()
     starts, ends = events(n := gpu_repeats(estimate, opts)), events(n)
     for start, end in zip(starts, ends):
+        before()
         flush.zero_()
         start.record()
         fn()
@@ -121,16 +130,21 @@ def cuda_time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOp
     return _stats([s.elapsed_time(e) for s, e in zip(starts, ends)])
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOptions) -> Timing:
+def time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOptions,
+            before: Callable[[], object] | None = None) -> Timing:
     """Median and IQR of one call of ``fn`` in milliseconds, over at least ``opts.min_samples`` samples
     unless taking them would pass ``opts.max_run_time`` (then fewer, and the point says so as noisy).
+    ``before`` (clearing the input gradients) runs ahead of every call: untimed on CUDA (``cuda_time_fn``),
+    inside the timed block on CPU, where a sample is a block of calls (microseconds against a call's
+    milliseconds).
 
     CPU: torch.utils.benchmark's ``blocked_autorange`` (its blocks of calls are the samples), topped up
     with blocks of the same size, timed here as Timer times a block, until ``min_samples``. Every call
     counts against ``max_run_time``, the autorange's own estimate included (Timer.timeit would add two
     untimed warm-up calls per block: a 10 s call would take three times its budget)."""
     if device.type == "cuda":
-        return cuda_time_fn(fn, device, opts)
+        return cuda_time_fn(fn, device, opts, before)
+    fn = with_before(fn, before)
     began = time.perf_counter()
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     if opts.timer == "adaptive":
@@ -146,6 +160,17 @@ def time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOptions
             fn()
         per_call.append((time.perf_counter() - start) / m.number_per_run)
     return _stats([t * 1e3 for t in per_call])
+
+
+def with_before(fn: Callable[[], object], before: Callable[[], object] | None) -> Callable[[], object]:
+    """``fn`` preceded by ``before`` in one call (a timer that cannot leave ``before`` out of its samples)."""
+    if before is None:
+        return fn
+
+    def call() -> object:
+        before()
+        return fn()
+    return call
 
 
 def spare_cores(device: torch.device | str, launchers: int = 1) -> int:
@@ -229,8 +254,7 @@ def measure_point(attn: "variants.Attention", *, batch_size: int, num_heads: int
     def forward() -> torch.Tensor:
         return attn(q, k, v, causal=causal)
 
-    def fwd_bwd() -> torch.Tensor:
-        reset_grads()
+    def fwd_bwd() -> torch.Tensor:  # after reset_grads: the backward writes the gradients, never adds
         out = forward()
         out.backward(dout)
         return out
@@ -242,6 +266,7 @@ def measure_point(attn: "variants.Attention", *, batch_size: int, num_heads: int
     record["setup_s"] = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(max(1, opts.warmup_iters)):  # a quality-only point still makes one checked call
+        reset_grads()
         out = fwd_bwd()
     synchronize(device)
     record["warmup_s"] = time.perf_counter() - start
@@ -274,13 +299,12 @@ def measure_point(attn: "variants.Attention", *, batch_size: int, num_heads: int
             out = forward()  # once, outside the timer; the graph is kept for every timed backward
 
             def backward() -> None:
-                reset_grads()
                 out.backward(dout, retain_graph=True)
 
-            timing = timer_fn(backward, device, opts)
+            timing = timer_fn(backward, device, opts, before=reset_grads)
             del out, backward
         else:
-            timing = timer_fn(fwd_bwd, device, opts)
+            timing = timer_fn(fwd_bwd, device, opts, before=reset_grads)
         record.update({f"{name}_ms": timing.median_ms, f"{name}_iqr_ms": timing.iqr_ms,
                        f"{name}_samples": timing.samples})
     reset_grads()

@@ -247,11 +247,10 @@ def raw_timer(device: torch.device) -> Callable[[Callable[[], Any], int, list[to
         return lambda fn, rep, grads: do_bench(fn, rep=rep, grad_to_none=grads, return_mode="median")
     from torch.utils import benchmark
 
+    from harness.measure import with_before
+
     def cpu(fn: Callable[[], Any], rep: int, grads: list[torch.Tensor]) -> float:
-        def call() -> None:
-            for t in grads:
-                t.grad = None
-            fn()
+        call = with_before(fn, lambda: [setattr(t, "grad", None) for t in grads])
         timer = benchmark.Timer("call()", globals={"call": call}, num_threads=torch.get_num_threads())  # its default: 1
         return timer.blocked_autorange(min_run_time=rep / 1e3).median * 1e3
     return cpu

@@ -69,6 +69,39 @@ def test_cpu_timing_of_long_calls_keeps_within_max_run_time():
     assert t.median_ms == pytest.approx(200, rel=0.5)
 
 
+def test_before_runs_ahead_of_every_timed_call_on_cpu():
+    """``before`` (the harness clears the input gradients with it) runs once before each call of ``fn``,
+    never after it nor twice: a backward timed without it would add into the last call's gradients."""
+    import time
+
+    order = []
+    t = time_fn(lambda: order.append("fn"), torch.device("cpu"), MeasureOptions(min_run_time=0.01, min_samples=3),
+                before=lambda: (order.append("before"), time.sleep(1e-3)))
+    assert order[::2] == ["before"] * (len(order) // 2) and order[1::2] == ["fn"] * (len(order) // 2)
+    assert t.median_ms >= 1.0  # on CPU a sample is a block of calls: before is inside it
+
+
+@pytest.mark.gpu
+def test_cuda_timer_leaves_before_out_of_the_timed_region():
+    """As do_bench's ``grad_to_none``: host work before a call (here a 30 ms sleep, with the GPU idle)
+    is not in its CUDA events; a timer that recorded it would give at least 30 ms a call."""
+    import time
+
+    x = torch.randn(1024, 1024, device="cuda")
+    calls = {"before": 0, "fn": 0}
+
+    def before() -> None:
+        calls["before"] += 1
+        time.sleep(0.03)
+
+    def fn() -> None:
+        calls["fn"] += 1
+        x @ x
+    t = time_fn(fn, torch.device("cuda"), MeasureOptions(min_run_time=0.01, min_samples=5), before=before)
+    assert calls["before"] == calls["fn"] and t.samples >= 5
+    assert t.median_ms < 10, t  # a 1024³ float32 matmul: well under a millisecond on any recent GPU
+
+
 def test_gpu_repeats_give_every_call_a_spread_within_max_run_time():
     """do_bench's rep / estimate calls, but at least min_samples (do_bench would time a 300 ms call once)
     and no more than max_run_time allows."""
