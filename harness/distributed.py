@@ -121,6 +121,7 @@ def time_in_step(fn: Callable[[], object], device: torch.device, opts, group,
     """Median and IQR over samples of the slowest rank's time per call (see module doc); ``before`` runs
     ahead of every call, inside the timed block (as on CPU: ``measure.time_fn``)."""
     fn = with_before(fn, before)
+
     def timed(calls: int) -> float:
         dist.barrier(group=group)
         synchronize(device)

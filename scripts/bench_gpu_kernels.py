@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -57,17 +57,23 @@ class Unavailable(Exception):
     """A public kernel that cannot run here (reason: one line)."""
 
 
-def fwd_bwd_call(f: Callable, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+class Call(NamedTuple):
+    """A kernel's forward+backward (``run``) and what clears its input gradients before each (``before``):
+    timed as the harness times a point (harness.measure.time_fn), the clearing outside the CUDA events."""
+    run: Callable[[], None]
+    before: Callable[[], None]
+
+
+def fwd_bwd_call(f: Callable, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Call:
     """A forward+backward call of ``f`` on fresh randn inputs already in the kernel's own layout."""
     g = torch.Generator(device=device).manual_seed(1)
     q, k, v, dout = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_()
 
-    def call() -> None:
+    def before() -> None:
         q.grad = k.grad = v.grad = None
-        f(q, k, v).backward(dout)
-    return call
+    return Call(lambda: f(q, k, v).backward(dout), before)
 
 
 def public_specs(label: str, attn, B: int, N: int, device: torch.device) -> dict[str, tuple[str, Any]]:
@@ -101,7 +107,7 @@ def public_specs(label: str, attn, B: int, N: int, device: torch.device) -> dict
 
 
 def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torch.dtype,
-                   device: torch.device) -> dict[str, tuple[str, Callable[[], Callable[[], None]]]]:
+                   device: torch.device) -> dict[str, tuple[str, Callable[[], Call]]]:
     """public_specs as builders of a forward+backward call, each on inputs in the kernel's own layout:
     name -> (kind, build)."""
     cuda, scale = device.type == "cuda", D ** -0.5
@@ -173,7 +179,7 @@ def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torc
     return kernels
 
 
-def timed(ctx: Context, build: Callable[[], Callable[[], None]]) -> dict[str, Any]:
+def timed(ctx: Context, build: Callable[[], Call]) -> dict[str, Any]:
     """Builds a call, times its first call apart (compilation, plans) and then its median with the
     harness's own timer (do_bench on GPU)."""
     from harness.config import MeasureOptions
@@ -182,13 +188,15 @@ def timed(ctx: Context, build: Callable[[], Callable[[], None]]) -> dict[str, An
 
     row: dict[str, Any] = {"status": "ok", "reason": None}
     try:
-        fn = build()
+        call = build()
         start = time.perf_counter()
-        fn()
+        call.before()
+        call.run()
         synchronize(ctx.device)
         row["first_call_s"] = time.perf_counter() - start
         row["block_mask_s"] = getattr(build, "block_mask_s", None)
-        t = time_fn(fn, ctx.device, MeasureOptions(min_run_time=0.01 if ctx.plan.smoke else 0.1, min_samples=2))
+        t = time_fn(call.run, ctx.device, MeasureOptions(min_run_time=0.01 if ctx.plan.smoke else 0.1, min_samples=2),
+                    before=call.before)
         row.update(fwd_bwd_ms=t.median_ms, fwd_bwd_iqr_ms=t.iqr_ms)
         if ctx.device.type == "cuda":  # the state the kernel ran in: a throttled clock is a slower kernel
             from harness.env import nvidia_smi
@@ -205,7 +213,7 @@ def timed(ctx: Context, build: Callable[[], Callable[[], None]]) -> dict[str, An
     return row
 
 
-def public_list(ctx: Context) -> list[tuple[str, str, bool, Callable[[], Callable[[], None]]]]:
+def public_list(ctx: Context) -> list[tuple[str, str, bool, Callable[[], Call]]]:
     """(label, name, compiled, build) of every kernel d:public times (the public ones, and ours bare), in the
     order it times them:
     those compiled per call shape (FlexAttention) after every one that is not, so that a call cut short
