@@ -152,11 +152,13 @@ def test_mask_counts_and_density_follow_the_spans():
 
 
 def test_band_is_linear_in_n_and_builds_no_dense_mask(monkeypatch):
-    """The band path never calls the O(N²) mask, and its measured peak memory doubles with N."""
+    """The band path never calls the O(N²) mask, and its measured peak memory doubles with N (its tiles,
+    a constant, shrunk as in tests/test_memory_scaling.py so that what doubles is the O(N·D) part)."""
     def forbidden(*a, **k):
         raise AssertionError("dense mask built on the fast path")
 
     monkeypatch.setattr(variants.adaptive_span, "dense_mask", forbidden)
+    monkeypatch.setattr(variants.blocksparse, "TILE_ELEMENTS", 1 << 14)
     attn = build([20.0, 48.0], max_span=48, ramp=16)
     peaks = []
     for N in (1024, 2048):
@@ -168,6 +170,23 @@ def test_band_is_linear_in_n_and_builds_no_dense_mask(monkeypatch):
         assert peaks[-1] <= attn.memory_bytes(1, 2, N, 32), "the analytic budget bounds the measurement"
     assert 1.6 <= peaks[1] / peaks[0] <= 2.4, peaks
     assert peaks[1] < 3 * 2 * 2048 * 2048 * 4 / 4  # a fraction of full math's three N×N matrices
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_band_keeps_no_score_per_pair(causal):
+    """FlashAttention-2's way (BandAttention): the forward keeps each row's output and log-sum-exp, the
+    backward computes the scores again, so the peak is O(N·D) plus one group's tiles, not the N·L scores,
+    probabilities and their gradient that autograd would keep (nor the keys copied per chunk)."""
+    attn = build([1000.0], max_span=1000, ramp=32)
+    N, D = 16384, 16
+    q, k, v = qkv(1, 1, N, D, dtype=torch.float32)
+    dout = torch.randn(1, 1, N, D)
+    step = lambda: attn(q, k, v, causal).backward(dout)  # noqa: E731
+    step()
+    peak = cpu_peak_bytes(step)
+    nc, c, L = attn.band_shape(N, causal)
+    assert peak < nc * c * L * 4 / 3, (peak, nc * c * L * 4)  # a third of one float32 score per computed pair
+    assert peak <= attn.memory_bytes(1, 1, N, D, 4, causal)
 
 
 def test_executed_band_is_the_reach_of_the_largest_span():

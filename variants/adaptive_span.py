@@ -11,13 +11,14 @@ and the output renormalises the masked weights (the paper's ``attn * mask / sum`
     a_ij = m_h(x_ij)·exp(s_ij) / Σ_j' m_h(x_ij')·exp(s_ij')  =  softmax_j(s_ij + log m_h(x_ij)),  log 0 = −∞.
 
 m_h(0) = 1 for every span, so no row is empty. Keys at distance x ≥ z_h + R have weight 0, so the
-``band`` backend computes only distances below ⌈max_h z_h⌉ + R: O(N·span) time and memory, forward and
-backward, never an N×N tensor. Gradients reach q, k, v and every z_h (through the ramp: dm/dz = 1/R
+``band`` backend computes only distances below ⌈max_h z_h⌉ + R: O(N·span) time, O(N·D) memory, forward
+and backward, never an N×N tensor. Gradients reach q, k, v and every z_h (through the ramp: dm/dz = 1/R
 where 0 < m < 1). The span penalty of the paper's loss belongs to training (harness/quality/task.py).
 
-Backends: ``band`` (query chunks against a gathered key band, vectorised over chunks), ``dense`` (the
-N×N scores plus the log-mask: the readable path), ``flex`` (CUDA: FlexAttention with the log-mask as a
-``score_mod`` and the band as its block mask).
+Backends: ``band`` (query chunks against their band of keys, vectorised over chunks; the backward
+computes the scores again, as FlashAttention-2's does), ``dense`` (the N×N scores plus the log-mask: the
+readable path), ``flex`` (CUDA: FlexAttention with the log-mask as a ``score_mod`` and the band as its
+block mask).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import flex
-from .base import Attention, Flops, require
+from .base import Attention, Flops, require, resolved
+from .blocksparse import tile_elements
 from .masks import Predicate, causal_allowed, dense_mask
 
 CHUNK = 64  # query rows per band tile: the tile is CHUNK × (CHUNK + reach on each side)
@@ -97,29 +99,144 @@ def band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: int, reach:
     Query chunk t (rows t·c … t·c + c − 1) attends to the L = c + reach (+ reach, non-causal) keys
     around it (``band_tile``), cut from k and v padded on both sides with ``unfold`` (a view; no Python
     loop over chunks). Row a of a chunk and column b of its band are at distance i − j = a − b + left
-    whatever the chunk, so the log-mask is one (H, c, L) tile shared by every chunk. Time and memory
-    O(N·L), forward and backward (autograd saves the gathered band and the tile probabilities).
+    whatever the chunk, so the log-mask is one (H, c, L) tile shared by every chunk. A band holds every
+    key a row can weigh, so each row's softmax is whole in its chunk: FlashAttention-2's backward without
+    its online softmax. The forward keeps the output and each row's log-sum-exp, and the backward computes
+    the scores again, a group of chunks at a time (``BandAttention``). Time O(N·L); memory O(N·D) plus one
+    group's tiles, forward and backward. z: (H,), the heads' spans (its gradient is returned).
     """
-    B, H, N, D = q.shape
-    c, left, right = band_tile(N, reach, causal, chunk)
-    nc = -(-N // c)
-    pad = nc * c - N  # padded query rows of the last chunk: computed, then dropped
-    L = c + left + right
-    qc = F.pad(q * scale, (0, 0, 0, pad)).view(B, H, nc, c, D)  # (B, H, nc, c, D)
-    kw = F.pad(k, (0, 0, left, pad + right)).unfold(2, L, c)  # (B, H, nc, D, L): chunk t's band of keys
-    vw = F.pad(v, (0, 0, left, pad + right)).unfold(2, L, c).transpose(-2, -1)  # (B, H, nc, L, D)
-    a = torch.arange(c, device=q.device)[:, None]  # (c, 1) row in the chunk
-    b = torch.arange(L, device=q.device)[None, :]  # (1, L) column in the band
-    bias = span_bias(a + left, b, z.to(q.dtype), ramp, causal)  # (H, c, L): i − j = a + left − b
-    t = torch.arange(nc, device=q.device)[:, None, None]  # (nc, 1, 1)
-    j = t * c - left + b  # (nc, 1, L) key position of each band column
-    # Padding keys are excluded, except for padded query rows, which see their band whole (their own
-    # padded position included) so that their softmax stays finite: NaN there would reach dk and dv.
-    keep = ((j >= 0) & (j < N)) | (t * c + a >= N)  # (nc, c, L)
-    s = qc @ kw  # (B, H, nc, c, L)
-    s = s.add_(bias[:, None]).masked_fill_(~keep, float("-inf"))
-    out = s.softmax(dim=-1) @ vw  # (B, H, nc, c, D)
-    return out.view(B, H, nc * c, D)[:, :, :N]  # (B, H, N, D)
+    return BandAttention.apply(q, k, v, z, ramp, reach, causal, scale, chunk)
+
+
+class BandAttention(torch.autograd.Function):
+    """softmax(q·kᵀ·scale + log m) v over each chunk's band; O(N·D) saved, tiles recomputed."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: int, reach: int, causal: bool,
+                scale: float, chunk: int | None) -> Tensor:
+        B, H, N, D = q.shape
+        band = Band(N, reach, causal, chunk, q.device)
+        acc = torch.promote_types(q.dtype, torch.float32)  # half inputs are computed in float32
+        qc, kw, vw = band.views(q, k, v, scale, acc)
+        bias = band.bias(z, ramp, acc)  # (H, c, L)
+        out = torch.empty(B, H, band.nc, band.c, D, dtype=acc, device=q.device)
+        lse = torch.empty(B, H, band.nc, band.c, 1, dtype=acc, device=q.device)  # each row's log-sum-exp
+        for t0, t1 in band.groups(B * H):
+            s = band.scores(qc, kw, bias, t0, t1)  # (B, H, g, c, L)
+            m = s.amax(dim=-1, keepdim=True)
+            p = s.sub_(m).exp_()  # in place: no second tile
+            l = p.sum(dim=-1, keepdim=True)
+            lse[:, :, t0:t1] = m + l.log()
+            out[:, :, t0:t1] = (p @ vw[:, :, t0:t1]).div_(l)  # (B, H, g, c, D)
+            del s, p  # before the next group's tiles are made
+        ctx.save_for_backward(q, k, v, z, out, lse)  # out in float32: Δ below is read from it
+        ctx.args = ramp, reach, causal, scale, chunk
+        return out.view(B, H, band.rows, D)[:, :, :N].to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, z, out, lse = ctx.saved_tensors
+        ramp, reach, causal, scale, chunk = ctx.args
+        B, H, N, D = q.shape
+        band, acc = Band(N, reach, causal, chunk, q.device), lse.dtype
+        nc, c = band.nc, band.c
+        qc, kw, vw = band.views(q, k, v, scale, acc)
+        bias = band.bias(z, ramp, acc)
+        dz_factor = band.span_factor(z, ramp, acc) if ctx.needs_input_grad[3] else None  # (H, c, L)
+        doc = F.pad(dout.to(acc), (0, 0, 0, band.rows - N)).view(B, H, nc, c, D)  # padded rows: dO = 0, so dS = 0
+        delta = (doc * out).sum(dim=-1, keepdim=True)  # (B, H, nc, c, 1) Δ = rowsum(dO ∘ O)
+        dq = torch.empty(B, H, nc, c, D, dtype=acc, device=q.device)
+        dkp, dvp = (torch.zeros(B, H, band.keys, D, dtype=acc, device=q.device) for _ in range(2))  # padded
+        dz = torch.zeros(z.shape, dtype=acc, device=q.device) if dz_factor is not None else None
+        for t0, t1 in band.groups(B * H):
+            p = band.scores(qc, kw, bias, t0, t1).sub_(lse[:, :, t0:t1]).exp_()  # (B, H, g, c, L)
+            do = doc[:, :, t0:t1]  # (B, H, g, c, D)
+            band.add_keys(dvp, p.transpose(-2, -1) @ do, t0)  # dV = Pᵀ dO
+            ds = p.mul_((do @ vw[:, :, t0:t1].transpose(-2, -1)).sub_(delta[:, :, t0:t1]))  # dS = P ∘ (dO Vᵀ − Δ)
+            if dz_factor is not None:  # the log-mask is added to every chunk's scores: dz sums dS over them
+                dz += (ds.sum(dim=(0, 2)) * dz_factor).sum(dim=(1, 2))
+            dq[:, :, t0:t1] = ds @ kw[:, :, t0:t1].transpose(-2, -1)  # dS K (q was scaled: times scale below)
+            band.add_keys(dkp, ds.transpose(-2, -1) @ qc[:, :, t0:t1], t0)  # dK = dSᵀ (q·scale)
+            del p, ds  # before the next group's tiles are made
+        dq = dq.view(B, H, band.rows, D)[:, :, :N] * scale
+        dk, dv = (g[:, :, band.left:band.left + N] for g in (dkp, dvp))
+        dz = dz.to(z.dtype) if dz_factor is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dz, None, None, None, None, None
+
+
+class Band:
+    """The band backend's geometry at one length: ``nc`` chunks of ``c`` query rows (the last padded to
+    c), chunk t against the L keys at padded positions t·c … t·c + L − 1 of k padded by ``left`` in front
+    (``band_tile``); ``groups`` of chunks whose scores hold at most ``tile_elements`` elements."""
+
+    def __init__(self, seq_len: int, reach: int, causal: bool, chunk: int | None, device: torch.device) -> None:
+        self.N, self.causal, self.device = seq_len, causal, device
+        self.c, self.left, self.right = band_tile(seq_len, reach, causal, chunk)
+        self.L, self.nc = self.c + self.left + self.right, -(-seq_len // self.c)
+        self.rows = self.nc * self.c  # query rows, padded
+        self.keys = (self.nc - 1) * self.c + self.L  # k and v padded: left + N + pad + right
+        # Chunks [inner_lo, inner_hi) have no padding key in their band and no padded row: no mask there.
+        self.inner_lo = -(-self.left // self.c)
+        self.inner_hi = min(self.nc - (1 if self.rows > seq_len else 0), (seq_len + self.left - self.L) // self.c + 1)
+
+    def views(self, q: Tensor, k: Tensor, v: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """q·scale in chunks (B, H, nc, c, D); each chunk's band of keys (B, H, nc, D, L) and of values
+        (B, H, nc, L, D), views of k and v padded by ``left`` in front; all three in ``dtype``."""
+        B, H, N, D = q.shape
+        pad = self.rows - N
+        qc = F.pad(q.to(dtype) * scale, (0, 0, 0, pad)).view(B, H, self.nc, self.c, D)
+        kw, vw = (F.pad(t.to(dtype), (0, 0, self.left, pad + self.right)).unfold(2, self.L, self.c) for t in (k, v))
+        return qc, kw, vw.transpose(-2, -1)
+
+    def positions(self) -> tuple[Tensor, Tensor]:
+        """(c, 1) row a and (1, L) band column b of every chunk as positions i, j whose difference is the
+        chunk's: i − j = a + left − b."""
+        return (torch.arange(self.c, device=self.device)[:, None] + self.left,
+                torch.arange(self.L, device=self.device)[None, :])
+
+    def bias(self, z: Tensor, ramp: int, dtype: torch.dtype) -> Tensor:
+        """(H, c, L) log m_h(x) of every chunk (−∞ where m = 0, and in the future under causal)."""
+        return span_bias(*self.positions(), z.detach().to(self.device, dtype), ramp, self.causal)
+
+    def span_factor(self, z: Tensor, ramp: int, dtype: torch.dtype) -> Tensor:
+        """(H, c, L) ∂ log m_h(x) / ∂z_h as autograd takes it of ``span_bias``: 1/(R·m) where m > 0 and
+        u = (R + z_h − x)/R ≤ 1 (torch's clamp passes the gradient at both of its ends), 0 elsewhere (the
+        future under causal has u > 1). One (H, c, L) tile, built in place."""
+        x = distance(*self.positions(), self.causal).to(dtype)
+        u = z.detach().to(self.device, dtype).view(-1, 1, 1).add(ramp).sub(x).div_(ramp)  # as soft_mask
+        tiny = torch.finfo(dtype).tiny
+        zero = (u > 1) | (u < tiny)  # clamped at 1, or m below log_mask's clamp (0 included)
+        return u.clamp_min_(tiny).mul_(ramp).reciprocal_().masked_fill_(zero, 0)
+
+    def group_size(self, BH: int) -> int:
+        """Chunks per group: their scores, B·H·g·c·L elements, fit ``tile_elements`` (one chunk at least)."""
+        return min(self.nc, max(1, tile_elements(self.device) // (BH * self.c * self.L)))
+
+    def groups(self, BH: int):
+        """[t0, t1) chunk ranges of ``group_size`` chunks."""
+        step = self.group_size(BH)
+        return ((t0, min(t0 + step, self.nc)) for t0 in range(0, self.nc, step))
+
+    def scores(self, qc: Tensor, kw: Tensor, bias: Tensor, t0: int, t1: int) -> Tensor:
+        """(B, H, g, c, L) scores plus the log-mask for chunks [t0, t1); padding keys at −∞, except for
+        padded query rows, which see their band whole (their own padded position included) so that their
+        softmax stays finite: NaN there would reach dk and dv."""
+        s = (qc[:, :, t0:t1] @ kw[:, :, t0:t1]).add_(bias[:, None])
+        if t0 < self.inner_lo or t1 > self.inner_hi:
+            t = torch.arange(t0, t1, device=self.device)[:, None, None]  # (g, 1, 1) chunk
+            a = torch.arange(self.c, device=self.device)[:, None]  # (c, 1) row in the chunk
+            j = t * self.c - self.left + torch.arange(self.L, device=self.device)  # (g, 1, L) key position
+            keep = ((j >= 0) & (j < self.N)) | (t * self.c + a >= self.N)  # (g, c, L)
+            s.masked_fill_(~keep, float("-inf"))
+        return s
+
+    def add_keys(self, grad: Tensor, part: Tensor, t0: int) -> None:
+        """Adds the bands' key (or value) gradients ``part`` (B, H, g, L, D) of chunks t0… into ``grad``
+        (B, H, keys, D), the padded keys: chunk t's band is keys t·c … t·c + L − 1. Bands overlap, so one
+        add per chunk (a group holds a few), no index_add."""
+        for n in range(part.shape[2]):
+            t = (t0 + n) * self.c
+            grad[:, :, t:t + self.L] += part[:, :, n]
 
 
 class AdaptiveSpan(Attention):
@@ -239,10 +356,20 @@ class AdaptiveSpan(Attention):
             return element_size * B * H * 8 * N * D  # fused: O(N·D), as the other flex backends
         if self.backend == "dense":  # plus the (H, N, N) log-mask and what its graph to z keeps (measured)
             return super().memory_bytes(B, H, N, D, element_size, causal, device) + (3 * element_size + 1) * H * N * N
-        # Band tiles (scores, probabilities, their gradient) and the gathered keys and values with
-        # their gradients (nc·L keys of D elements each).
-        nc, c, L = self.band_shape(N, causal)
-        return element_size * B * H * (3 * nc * c * L + 4 * nc * L * D + 6 * N * D)
+        # The backward's peak, O(N·D) plus one group's tiles (BandAttention). a: the element size of the
+        # computation (float32 at least). Per (batch, head): the saved output and log-sum-exp, q·scale, k, v
+        # and dO padded, Δ, dq and the padded key and value gradients. Beside them, the loop's tiles (the
+        # probabilities, dP and a band's copy of keys or values, or its gradient) or, at the end, dq·scale
+        # and the gradients cast back to the inputs' dtype.
+        a, BH = max(element_size, 4), B * H
+        band = Band(N, min(self.reach(), N - 1), causal, None, resolved(device or "cpu"))
+        rows, keys, g = band.rows, band.keys, band.group_size(BH)
+        per_head = a * (4 * rows * D + 2 * rows + 4 * keys * D)
+        loop = a * BH * g * (2 * band.c * band.L + 2 * band.L * D)
+        end = BH * N * D * (a + (3 * element_size if element_size != a else 0))
+        # The log-mask and z's derivative, (H, c, L) each, and span_bias's temporaries: tiles of c × L a
+        # head, N × N where one chunk holds the band (N ≤ c + 2·reach: bounded by the span).
+        return BH * per_head + max(loop, end) + 7 * a * H * band.c * band.L // 2
 
     # ----- call ------------------------------------------------------------------------------------------
     def prepare(self, seq_len: int, causal: bool, device: torch.device | str) -> None:
