@@ -57,7 +57,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from bench_gpu_kernels import BUDGET_SPENT, part_overhead, part_public, part_roof, public_list  # noqa: E402
-from bench_gpu_summary import COMPARED, EXPONENT_TARGETS, TABLE21, invocations, n2, summarize  # noqa: E402
+from bench_gpu_summary import (COMPARED, EXPONENT_TARGETS, TABLE21, d_done, invocations, n2, side_rows,  # noqa: E402
+                               summarize)
 from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import now  # noqa: E402
 from harness.results import write_json  # noqa: E402
@@ -133,7 +134,17 @@ class Context:
         return [s for s in self._steps if group in (None, s.group)]
 
     def done(self, group: str) -> bool:
-        return all(self.state.get(s.name) == "complete" for s in self.steps(group))
+        return all(self.complete(s) for s in self.steps(group))
+
+    def complete(self, step: Step) -> bool:
+        """Whether ``step`` has nothing left to measure: state.json says so, and for d:public every public
+        kernel has its row (a pattern or kernel added since that step ran reopens it)."""
+        if self.state.get(step.name) != "complete":
+            return False
+        if step.name != "d:public":
+            return True
+        have = d_done(side_rows(self.out / "d" / "compare.jsonl"))
+        return all((label, name) in have for label, name, *_ in public_list(self))
 
     @property
     def skips_cuda(self) -> bool:
@@ -334,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if reader and not out.is_dir():  # made here, it would hold a summary of nothing
         ap.error(f"{reader} reads the results directory of an earlier run (--out DIR); {out} does not exist")
     out.mkdir(parents=True, exist_ok=True)
-    if args.summary_only:  # judged as on the machine that measured: a GPU's results stay a GPU's elsewhere
+    if reader:  # judged as on the machine that measured: a GPU's results stay a GPU's elsewhere
         device = measured_on(out, device)
     start = time.monotonic()  # every line says when, so a job's log shows where a budget went
 
@@ -351,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.log(f"bench_gpu: steps {','.join(steps)} on {device} -> {out}")
         for group in steps:
             for step in ctx.steps(group):
-                if ctx.state.get(step.name) != "complete":
+                if not ctx.complete(step):
                     run_step(ctx, step)
             ctx.log(f"step {group}: {'complete' if ctx.done(group) else 'not complete'}")
     res = summarize(ctx)

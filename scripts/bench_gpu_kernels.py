@@ -78,8 +78,9 @@ def fwd_bwd_call(f: Callable, shape: tuple[int, ...], dtype: torch.dtype, device
 
 def public_specs(label: str, attn, B: int, N: int, device: torch.device) -> dict[str, tuple[str, Any]]:
     """The best public kernels for a variant's pattern, as what defines the pairs each one computes: name ->
-    ("xformers", attn_bias module -> bias over (N, N)), ("xformers_flat", ... -> bias over the batch's
-    B·N rows flattened), ("flex", factory of a mask_mod) or ("sdpa_blocks", block size). tests/test_bench_gpu.py
+    ("xformers", attn_bias module -> bias over (N, N), None: no mask), ("xformers_flat", ... -> bias over the
+    batch's B·N rows flattened), ("flex", factory of a mask_mod), ("sdpa", the SDPBackend it is pinned to on
+    CUDA: no mask) or ("sdpa_blocks", block size). tests/test_bench_gpu.py
     materializes each on CPU against the variant's mask: a ratio between two different functions would
     mean nothing."""
     if label == "sliding_window":
@@ -87,6 +88,15 @@ def public_specs(label: str, attn, B: int, N: int, device: torch.device) -> dict
         return {f"xformers LocalAttentionFromBottomRightMask({w}, {w})":
                 ("xformers", lambda ab: ab.LocalAttentionFromBottomRightMask(window_left=w, window_right=w)),
                 f"FlexAttention mask_mod |q-kv| <= {w}": ("flex", lambda: (lambda b, h, q, kv: (q - kv).abs() <= w))}
+    if label == "blockwise-exact":  # full attention's function: torch's fused kernels, each pinned, and the others
+        from torch.nn.attention.flex_attention import noop_mask
+
+        from variants.full import SDPA_KERNELS
+
+        specs = ({f"SDPA {name.removeprefix('sdpa_')} (no mask)": ("sdpa", kernel) for name, kernel in SDPA_KERNELS.items()
+                  if name != "sdpa_math"} if device.type == "cuda" else {"SDPA (no mask)": ("sdpa", None)})
+        return {**specs, "xformers memory_efficient_attention (no bias)": ("xformers", lambda ab: None),
+                "FlexAttention, no mask_mod": ("flex", lambda: noop_mask)}
     if label == "blockwise-local":
         b = attn.options.block_size
         per_seq = [b] * (N // b) + ([N % b] if N % b else [])  # the last block shorter, as the variant's
@@ -143,17 +153,19 @@ def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torc
             return fwd_bwd_call(lambda q, k, v: fn(q, k, v, block_mask=bm, scale=scale), (B, H, N, D), dtype, device)
         return build
 
-    def sdpa_blocks(b):
+    def sdpa(kernel, b: int | None = None):
+        """SDPA pinned to ``kernel`` on CUDA (torch's own choice on CPU), over the whole sequence or, with
+        ``b``, over (B·N/b, H, b, D) blocks."""
         def build():
             import torch.nn.functional as F
-            from torch.nn.attention import SDPBackend, sdpa_kernel
+            from torch.nn.attention import sdpa_kernel
 
             def f(q, k, v):
                 if not cuda:
                     return F.scaled_dot_product_attention(q, k, v, scale=scale)
-                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                with sdpa_kernel([kernel]):
                     return F.scaled_dot_product_attention(q, k, v, scale=scale)
-            return fwd_bwd_call(f, (B * N // b, H, b, D), dtype, device)
+            return fwd_bwd_call(f, (B, H, N, D) if b is None else (B * N // b, H, b, D), dtype, device)
         return build
 
     def ours_bare():
@@ -170,8 +182,10 @@ def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torc
             return fwd_bwd_call(lambda q, k, v: mine(q, k, v), (B, H, N, D), dtype, device)
         return build
 
+    from torch.nn.attention import SDPBackend
+
     builders = {"xformers": lambda x: xformers(x, False), "xformers_flat": lambda x: xformers(x, True),
-                "flex": flex, "sdpa_blocks": sdpa_blocks}
+                "flex": flex, "sdpa": sdpa, "sdpa_blocks": lambda b: sdpa(SDPBackend.FLASH_ATTENTION, b)}
     specs = public_specs(label, attn, B, N, device)
     kernels = {name: (kind, builders[kind](what)) for name, (kind, what) in specs.items()}
     if "flex" in attn.backend_names():  # not a public kernel: it tells where a gap to FlexAttention lies

@@ -28,7 +28,12 @@ MiB = 2**20
 N2_BACKENDS = {"dense", "math", "sdpa_math"}  # full's math and sdpa_math, any variant's dense: N×N in memory
 TABLE21 = ("full", "math")  # the path FA-1 Table 21's target reads: the only N×N series a target needs
 # Part d's patterns (bench_gpu.VARIANTS' labels): the efficient variants a public kernel computes exactly
-COMPARED = ("sliding_window", "blockwise-local", "sparse-fixed", "sparse-strided", "sparse-bigbird")
+# (blockwise exact computes full attention's function, as FlashAttention's and cuDNN's kernels do)
+COMPARED = ("sliding_window", "blockwise-local", "sparse-fixed", "sparse-strided", "sparse-bigbird", "blockwise-exact")
+NOT_COMPARED = ("linear, reformer and adaptive_span are not compared: no public GPU kernel computes their function. "
+                "Linformer's public code projects K and V, then attends in eager torch (our `sdpa` backend runs the "
+                "projections, then SDPA's fused kernel); the Reformer's and adaptive span's public code is eager torch "
+                "(adaptive_span's `flex` backend is FlexAttention with the span as its score_mod).")
 EXPONENT_TARGETS = ("sliding_window", "linear", "reformer", "adaptive_span")
 # Our flex backend called bare, in the public kernels' process, beside them (kind "ours-bare", in no target):
 # against the public FlexAttention it measures our mask_mod; against our harness row, the harness run.
@@ -357,7 +362,7 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
     lines += ["", "Speed ratio: the public kernel's time over ours (>= 1: ours is as fast). Our `xformers` and `flex` "
               "backends call the public kernels themselves with the same mask (flex's built from the variant's "
               "predicate), so where one is our best the ratio measures our wrapper and mask_mod; the last three "
-              "columns are our own kernel, the block-sparse engine, against the same public kernel."]
+              "columns are our own kernel, the block-sparse engine, against the same public kernel. " + NOT_COMPARED]
     lines += ["", "Every kernel timed (first call: compilation and plans, for ours the harness's warm-up; set-up: "
               "building the BlockMask, for ours the row's setup_s, the backend's prepare: flex's BlockMask, the "
               f"engine's plan on the device). `{OURS_BARE}` is our flex backend timed as the public kernels are, "

@@ -129,8 +129,10 @@ def test_summary_states_the_numbers_of_the_files_and_skips_what_needs_cuda(smoke
             assert f"{backend} (limit {limit:.3f});" in t["detail"] and (t["status"] == "met") == (t["value"] <= limit), t
     for t in summary["targets"]:
         assert f"| {t['text']} | **{t['status']}** |" in md and f"target {t['target']}: {t['status']}" in stdout
-    # Every kernel timed is in the summary, with its time as the files have it.
+    # Every kernel timed is in the summary, with its time as the files have it; the variants no public
+    # kernel computes are named, with the reason.
     assert len(summary["compare_rows"]) == len(ours) + len(compare)
+    assert "linear, reformer and adaptive_span are not compared: no public GPU kernel computes their function" in md
     for r in [{"name": f"ours {r['backend']}", "label": "blockwise-local", **r} for r in ours] + compare:
         ms = "-" if r.get("fwd_bwd_ms") is None else f"{r['fwd_bwd_ms']:.4g}"
         name = r["name"].replace("|", "\\|")  # a | in a kernel's name (|q-kv| <= w) is escaped in the table
@@ -329,9 +331,9 @@ def test_a_summary_is_judged_as_on_the_machine_that_measured(tmp_path):
 @pytest.mark.parametrize("N", [1024, 1000])
 def test_each_public_kernel_computes_the_variants_pairs(N):
     """Part d's ratio compares two kernels only if they compute one function: each public kernel's mask
-    (xformers' bias materialized, FlexAttention's mask_mod evaluated, SDPA's blocks) is the variant's,
-    at the benchmark's options, the flattened batch's sequences kept apart, N a multiple of the blocks
-    or not."""
+    (xformers' bias materialized, FlexAttention's mask_mod evaluated, SDPA's blocks; no mask: every pair)
+    is the variant's, at the benchmark's options, the flattened batch's sequences kept apart, N a multiple
+    of the blocks or not."""
     from torch.nn.attention.flex_attention import create_mask
 
     from variants.xformers_backend import xformers_ops
@@ -350,10 +352,13 @@ def test_each_public_kernel_computes_the_variants_pairs(N):
             elif kind == "sdpa_blocks":
                 i = torch.arange(N)
                 got = i[:, None] // what == i[None, :] // what
+            elif kind == "sdpa":  # SDPA without a mask: every pair
+                got = torch.ones(N, N, dtype=torch.bool)
             else:
                 rows = B * N if kind == "xformers_flat" else N
                 bias = what(xformers_ops().fmha.attn_bias)
-                got = bias.materialize((rows, rows), dtype=torch.float32, device="cpu") == 0
+                got = (torch.ones(rows, rows, dtype=torch.bool) if bias is None else
+                       bias.materialize((rows, rows), dtype=torch.float32, device="cpu") == 0)
                 want_here = torch.block_diag(*[want] * B) if kind == "xformers_flat" else want
                 assert torch.equal(got, want_here), (label, name, N)
                 continue
@@ -418,6 +423,28 @@ def test_public_kernels_compiled_per_shape_are_timed_after_every_other(tmp_path)
     assert ("sliding_window", "xformers LocalAttentionFromBottomRightMask(256, 256)") in names
     # Our flex backend, bare, beside each pattern's public kernels (every compared variant has one)
     assert {label for label, name in names if name == summary.OURS_BARE} == set(summary.COMPARED)
+
+
+def test_a_public_kernel_added_after_d_public_ran_reopens_it(tmp_path):
+    """state.json's "complete" for d:public stands only while every public kernel of the chosen patterns has
+    its row: a pattern (or kernel) added to a directory measured before is timed on the next call, not
+    left "not measured" for good."""
+    bench, kernels, summary = load_bench()
+    labels = ["blockwise-local", "blockwise-exact"]
+    ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cuda"), None, print, labels)
+    (step,) = [s for s in ctx.steps("d") if s.name == "d:public"]
+    wanted = [(label, name) for label, name, *_ in kernels.public_list(ctx)]
+    assert {label for label, _ in wanted} == set(labels)
+    ctx.finish("d:public", "complete")
+    (tmp_path / "d").mkdir()
+    rows = [{"label": label, "name": name, "status": "ok"} for label, name in wanted]
+    (tmp_path / "d" / "compare.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:-1]))
+    assert not ctx.complete(step)  # the last kernel has no row
+    with (tmp_path / "d" / "compare.jsonl").open("a") as f:
+        f.write(json.dumps(rows[-1]) + "\n")
+    assert ctx.complete(step)
+    ctx.finish("d:public", "interrupted by the budget")
+    assert not ctx.complete(step)  # every row there, but state.json is what says the step ended
 
 
 def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_exactly(smoke, tmp_path):
