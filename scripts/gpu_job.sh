@@ -23,7 +23,8 @@
 #
 # Environment: BENCH_DIR (default: the latest results/gpu/<UTC date>-<device> without a COMPLETE or CLOSED
 # file, else a new one), JOB_BUDGET_S (keep it 100 s under any hard limit on the call), OUT, PYTHON,
-# PACK_EVERY_S, RERUN_TESTS=1 (once every GPU test has run: all of them again), TEST_WORKERS (8),
+# PACK_EVERY_S, RERUN_TESTS=1 (once every GPU test has run: all of them again), TEST_WORKERS (8, at most
+# one per core),
 # SKIP_TESTS=1, SKIP_WHEELS=1, BENCH_ARGS (more bench_gpu.py arguments), HARNESS_CODE_VERSION (the
 # commit every row records as code_version, over any copied .git, which may be older than the tree:
 # `git rev-parse --short=12 HEAD` where it was copied from).
@@ -186,10 +187,12 @@ if [ "${SKIP_TESTS:-0}" != 1 ] && [ ! -f "$BENCH_DIR/tests-gpu.rc" ]; then
         if "$PY" -c "import wandb" 2>/dev/null; then export WANDB_MODE=offline; else export WANDB_MODE=disabled; fi
         # Eight test processes where pytest-xdist is installed: most of the time is FlexAttention's
         # compilation (one per N, dtype and mask), which one process does one at a time; with two compile
-        # workers each they keep to about 16 cores. At the limit pytest gets SIGINT.
+        # workers each they keep to about 16 cores. At most one per core: on fewer cores (a 2-core dry run)
+        # more processes only add their imports. At the limit pytest gets SIGINT.
         # Test by test (--dist load), not the CPU suite's module by module: the GPU tests are mostly one
         # module's. Without pytest-xdist, one process and the project's -n option taken out of addopts.
-        XDIST=(-o "addopts=-ra"); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${TEST_WORKERS:-8}" --dist load)
+        CORES=$(nproc 2>/dev/null || echo 8)
+        XDIST=(-o "addopts=-ra"); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${TEST_WORKERS:-$((CORES < 8 ? CORES : 8))}" --dist load)
         echo "== python -m pytest -q -m gpu ${XDIST[*]} (limit ${T} s; $([ -f "$OUTCOMES" ] && wc -l < "$OUTCOMES" || echo 0) outcomes from earlier calls)"
         echo "== gpu_job $(date -u +%FT%TZ): pytest -m gpu ${XDIST[*]}, limit ${T} s" >> "$BENCH_DIR/tests-gpu.log"
         TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2} timeout -s INT -k 30 "$T" \
