@@ -407,6 +407,21 @@ def test_compiled_backends_run_after_every_kernel_that_does_not_compile_in_their
             "causal=false", f"head_dim={d}", f"seq_lens=[{n}]"], step
 
 
+def test_a_public_kernel_runs_where_it_can_and_says_why_not_elsewhere(tmp_path):
+    """d:public's kernels for blockwise exact (full attention's function) on CPU: SDPA without a mask runs
+    its forward+backward, timed as a row; FlexAttention, xformers and our flex backend bare are skipped
+    for want of CUDA, each with its reason, and nothing is replaced by another kernel."""
+    bench, kernels, summary = load_bench()
+    ctx = bench.Context(bench.SMOKE_PLAN, tmp_path, torch.device("cpu"), None, print, ["blockwise-exact"])
+    rows = {name: kernels.timed(ctx, build) for label, name, _, build in kernels.public_list(ctx)}
+    assert set(rows) == {"SDPA (no mask)", "xformers memory_efficient_attention (no bias)",
+                         "FlexAttention, no mask_mod", summary.OURS_BARE}
+    sdpa = rows.pop("SDPA (no mask)")
+    assert sdpa["status"] == "ok" and sdpa["fwd_bwd_ms"] > 0 and sdpa["first_call_s"] > 0, sdpa
+    for name, row in rows.items():
+        assert row["status"] == "skipped" and row["reason"].startswith(kernels.NEEDS_CUDA), (name, row)
+
+
 def test_public_kernels_compiled_per_shape_are_timed_after_every_other(tmp_path):
     """On a CUDA machine d:public's kernels at the benchmark's shape, for each compared variant, once each;
     raw FlexAttention after every one that is not compiled, so that a budget spent compiling has measured
