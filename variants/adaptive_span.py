@@ -329,10 +329,14 @@ class AdaptiveSpan(Attention):
         counts = [N + sides * (t * N - t * (t + 1) // 2) for t in (min(r, N - 1) for r in self._head_reaches())]
         return sum(counts) // len(counts)
 
+    def band(self, seq_len: int, causal: bool, device: torch.device | str | None = None) -> Band:
+        """The band backend's geometry at this length (its groups sized for ``device``, CPU by default)."""
+        return Band(seq_len, min(self.reach(), seq_len - 1), causal, None, resolved(device or "cpu"))
+
     def band_shape(self, seq_len: int, causal: bool) -> tuple[int, int, int]:
         """(chunks, chunk rows, band columns) of the band backend's tile at this length."""
-        c, left, right = band_tile(seq_len, min(self.reach(), seq_len - 1), causal)
-        return -(-seq_len // c), c, c + left + right
+        band = self.band(seq_len, causal)
+        return band.nc, band.c, band.L
 
     def executed_pairs(self, seq_len: int, causal: bool = False, device: torch.device | str | None = None) -> int:
         if self.backend == "dense":
@@ -362,7 +366,7 @@ class AdaptiveSpan(Attention):
         # probabilities, dP and a band's copy of keys or values, or its gradient) or, at the end, dq·scale
         # and the gradients cast back to the inputs' dtype.
         a, BH = max(element_size, 4), B * H
-        band = Band(N, min(self.reach(), N - 1), causal, None, resolved(device or "cpu"))
+        band = self.band(N, causal, device)
         rows, keys, g = band.rows, band.keys, band.group_size(BH)
         per_head = a * (4 * rows * D + 2 * rows + 4 * keys * D)
         loop = a * BH * g * (2 * band.c * band.L + 2 * band.L * D)
