@@ -81,10 +81,15 @@ def gpu_clocks() -> str | None:
     return nvidia_smi("clocks.sm,clocks.mem,clocks.max.sm")
 
 
+def device_name(device: torch.device) -> str:
+    """What a results directory calls the device: the GPU's model (NVIDIA H100 80GB HBM3) or the CPU's."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
 def collect(device: torch.device) -> Environment:
     cuda = device.type == "cuda"
     return Environment(
-        device_name=torch.cuda.get_device_name(device) if cuda else cpu_name(),
+        device_name=device_name(device),
         num_threads=torch.get_num_threads(),
         torch_version=str(torch.__version__),  # a TorchVersion is not a plain str
         cuda_version=torch.version.cuda,

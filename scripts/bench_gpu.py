@@ -24,7 +24,8 @@ script runs in a process of its own:
              backend the device has: a series stops at its first oom (the OOM frontier) -> a/<variant>/
 In a step, the backends that compile per N (flex) run in sweeps of their own after the others, and the
 N×N backends last. A rerun into the same --out (default results/gpu/<UTC date>-<device>/) resumes: a
-sweep skips the points it has, a finished sweep is not run again (state.json). --budget-s bounds the
+sweep skips the points it has, a finished sweep is not run again (state.json); a directory that an
+earlier invocation measured on another device is refused. --budget-s bounds the
 invocation: a sweep still running when it is spent gets SIGTERM (its job records status interrupted and
 resumes on the next invocation). Then SUMMARY.md and summary.json (targets: met | missed, with the gap |
 not measured | skipped on CPU), and harness.report's plots and tables (a/report/, c/report/).
@@ -57,10 +58,10 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from bench_gpu_kernels import BUDGET_SPENT, part_overhead, part_public, part_roof, public_list  # noqa: E402
-from bench_gpu_summary import (COMPARED, EXPONENT_TARGETS, TABLE21, d_done, invocations, n2, side_rows,  # noqa: E402
-                               summarize)
+from bench_gpu_summary import (COMPARED, EXPONENT_TARGETS, TABLE21, d_done, invocations, n2, other_device,  # noqa: E402
+                               side_rows, summarize)
 from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
-from harness.env import now  # noqa: E402
+from harness.env import device_name, now  # noqa: E402
 from harness.results import write_json  # noqa: E402
 
 STEPS = ("roof", "c-targets", "d", "a-targets", "c", "a")
@@ -347,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if reader:  # judged as on the machine that measured: a GPU's results stay a GPU's elsewhere
         device = measured_on(out, device)
+    elif not args.child and (why := other_device(out, device_name(device))):
+        ap.error(why)
     start = time.monotonic()  # every line says when, so a job's log shows where a budget went
 
     def log(message: str) -> None:

@@ -413,3 +413,14 @@ def invocations(out: Path) -> list[dict[str, Any]]:
     """env.json's entries: one per invocation into ``out``."""
     path = out / "env.json"
     return json.loads(path.read_text()) if path.exists() else []
+
+
+def other_device(out: Path, name: str) -> str | None:
+    """Why ``out`` takes no measurement on the device called ``name`` (harness.env.device_name): an earlier
+    invocation measured there on another. A directory's steps, targets and ratios read its rows together
+    (a complete step is not run again), so they must be one device's. None: no other device."""
+    others = sorted({e["device_name"] for e in invocations(out) if e.get("device_name", name) != name})
+    if not others:
+        return None
+    return (f"{out} holds results measured on {' and '.join(others)}, and this is {name}: a results directory "
+            "holds one device's (give another; the default is a new results/gpu/<date>-<device>)")

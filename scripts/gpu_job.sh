@@ -22,7 +22,7 @@
 # minutes; the whole benchmark takes several calls of ten minutes.
 #
 # Environment: BENCH_DIR (default: the latest results/gpu/<UTC date>-<device> without a COMPLETE or CLOSED
-# file, else a new one), JOB_BUDGET_S (keep it 100 s under any hard limit on the call), OUT, PYTHON,
+# file, else a new one; one that an earlier call measured on another device is refused), JOB_BUDGET_S (keep it 100 s under any hard limit on the call), OUT, PYTHON,
 # PACK_EVERY_S, RERUN_TESTS=1 (once every GPU test has run: all of them again), TEST_WORKERS (8, at most
 # one per core),
 # SKIP_TESTS=1, SKIP_WHEELS=1, BENCH_ARGS (more bench_gpu.py arguments), HARNESS_CODE_VERSION (the
@@ -108,8 +108,23 @@ for mod in ("hydra", "wandb", "xformers.ops"):
         say(f"  import {mod}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}\n")
 cuda = torch.cuda.is_available()
 print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-") if cuda else "cpu")
+# A BENCH_DIR begun on another device is refused here, before the GPU tests write their outcomes into it
+# (bench_gpu.py refuses it too). The device is the one bench_gpu.py measures on: the CPU for --smoke.
+import os
+bench_dir = os.environ.get("BENCH_DIR")
+if bench_dir and os.path.isdir(bench_dir):
+    sys.path[:0] = ["scripts", "."]
+    from pathlib import Path
+    from bench_gpu_summary import other_device
+    from harness.env import device_name
+    smoke = "--smoke" in os.environ.get("BENCH_ARGS", "").split()
+    why = other_device(Path(bench_dir), device_name(torch.device("cuda" if cuda and not smoke else "cpu")))
+    if why:
+        say(f"gpu_job.sh: BENCH_DIR: {why}\n")
+        sys.exit(3)
 PYEOF
 )
+[ $? = 3 ] && exit 2  # said above, nothing written
 DEVICE=${DEVICE##*$'\n'}  # its last line: an import may print on stdout too
 
 # 5. results to take home: packed into OUT after each step, every PACK_EVERY_S seconds while the benchmark

@@ -252,6 +252,32 @@ def test_a_job_killed_outright_leaves_its_last_pack(tmp_path):
         assert all(n.startswith("bench") for n in tar.getnames())
 
 
+def test_a_directory_begun_on_another_device_is_refused_before_anything_is_written(tmp_path, capsys):
+    """A job told to go on in a directory another GPU model began (an H100's, on an H200) would have mixed
+    two devices' rows under one summary: its complete steps are not run again, and the GPU tests already
+    recorded there are left out. Refused in one line by the job, before its GPU tests, and by bench_gpu.py."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    began = [{"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "steps": "roof"}]
+    (bench / "env.json").write_text(json.dumps(began))
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "BENCH_DIR": str(bench), "SKIP_WHEELS": "1",
+           "SKIP_TESTS": "0", "PYTHON": sys.executable, "BENCH_ARGS": "--smoke"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_job.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    from harness.env import cpu_name
+
+    why = (f"{bench} holds results measured on NVIDIA H100 80GB HBM3, and this is {cpu_name()}: a results "
+           "directory holds one device's (give another; the default is a new results/gpu/<date>-<device>)")
+    assert proc.returncode == 2 and proc.stdout.rstrip().endswith(f"gpu_job.sh: BENCH_DIR: {why}"), proc.stdout[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    bench_gpu, _, _ = load_bench()
+    with pytest.raises(SystemExit) as exit_:
+        bench_gpu.main(["--smoke", "--out", str(bench)])
+    err = capsys.readouterr().err  # in this process argparse names the program after pytest's sys.argv[0]
+    assert exit_.value.code == 2 and err.endswith(f": error: {why}; see --help\n") and err.count("\n") == 1
+    assert [p.name for p in bench.iterdir()] == ["env.json"] and json.loads((bench / "env.json").read_text()) == began
+
+
 @pytest.mark.parametrize("script", ["gpu_job.sh", "fetch_wheels.sh"])
 def test_shell_scripts_parse_and_speak_of_the_project_only(script):
     path = ROOT / "scripts" / script
