@@ -115,13 +115,17 @@ bench_dir = os.environ.get("BENCH_DIR")
 if bench_dir and os.path.isdir(bench_dir):
     sys.path[:0] = ["scripts", "."]
     from pathlib import Path
-    from bench_gpu_summary import other_device
-    from harness.env import device_name
-    smoke = "--smoke" in os.environ.get("BENCH_ARGS", "").split()
-    why = other_device(Path(bench_dir), device_name(torch.device("cuda" if cuda and not smoke else "cpu")))
-    if why:
-        say(f"gpu_job.sh: BENCH_DIR: {why}\n")
-        sys.exit(3)
+    try:  # the harness's packages (the wheels) missing: said, and the job goes on to say what fails
+        from bench_gpu_summary import other_device
+        from harness.env import device_name
+    except Exception as e:
+        say(f"gpu_job.sh: BENCH_DIR's device not checked: {type(e).__name__}: {e}\n")
+    else:
+        smoke = "--smoke" in os.environ.get("BENCH_ARGS", "").split()
+        why = other_device(Path(bench_dir), device_name(torch.device("cuda" if cuda and not smoke else "cpu")))
+        if why:
+            say(f"gpu_job.sh: BENCH_DIR: {why}\n")
+            sys.exit(3)
 PYEOF
 )
 [ $? = 3 ] && exit 2  # said above, nothing written
