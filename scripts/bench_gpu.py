@@ -23,7 +23,8 @@ script runs in a process of its own:
   a          seq_len_scaling (FA-1 shape: B=16, H=8, D=64, fp16, N=128…65536), every variant with every
              backend the device has: a series stops at its first oom (the OOM frontier) -> a/<variant>/
 In a step, the backends that compile per N (flex) run in sweeps of their own after the others, and the
-N×N backends last. A rerun into the same --out (default results/gpu/<UTC date>-<device>/) resumes: a
+N×N backends last; where a run of such sweeps begins, their points are compiled first, several processes
+at once, by warm-up calls only (precompile: the sweeps then load the kernels from torch's caches). A rerun into the same --out (default results/gpu/<UTC date>-<device>/) resumes: a
 sweep skips the points it has, a finished sweep is not run again (state.json); a directory that an
 earlier invocation measured on another device is refused. --budget-s bounds the
 invocation: a sweep still running when it is spent gets SIGTERM (its job records status interrupted and
@@ -38,14 +39,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -62,7 +67,7 @@ from bench_gpu_summary import (COMPARED, EXPONENT_TARGETS, TABLE21, d_done, invo
                                side_rows, summarize)
 from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import device_name, now  # noqa: E402
-from harness.results import write_json  # noqa: E402
+from harness.results import latest, read_jsonl, write_json  # noqa: E402
 
 STEPS = ("roof", "c-targets", "d", "a-targets", "c", "a")
 CHILDREN = {"roof": part_roof, "d:overhead": part_overhead, "d:public": part_public}  # steps of this script's own
@@ -73,6 +78,12 @@ VARIANTS = [("full", "full", {}), ("sliding_window", "sliding_window", {}), ("li
             ("blockwise-exact", "blockwise", {"mode": "exact"}), ("reformer", "reformer", {}),
             ("adaptive_span", "adaptive_span", {})]
 COMPILED = ("flex",)  # backends that compile per N (tens of seconds each): sweeps of their own, later
+# Compiling ahead (precompile): at most this many processes at once, within this share of the budget
+# left (a process past it is killed). On the H100's 16-core host a flex point took 4-8 s to compile (adaptive_span's 12-16 s), one after
+# another in its sweep; one compiled by an earlier process warmed up in 0.3-1.7 s (torch's caches).
+PRECOMPILE_PROCESSES = 6  # each holds one point's tensors: 6 at N=64K, B=16, H=8, D=64 are about 60 GB
+PRECOMPILE_SHARE = 1 / 3
+WARM_UP_ONLY = {"measure.passes": "[]", "measure.memory": "false", "fidelity.enabled": "false"}  # a point: prepare, one call
 
 
 @dataclass(frozen=True)
@@ -245,13 +256,16 @@ def with_seq_lens(preset: str, overrides: list[str], keep: Callable[[int], bool]
     return [o for o in overrides if o not in own] + [f"seq_lens=[{','.join(str(n) for n in lens if keep(n))}]"]
 
 
-def command(ctx: Context, step: Step) -> list[str]:
+def command(ctx: Context, step: Step, overrides: tuple[str, ...] | None = None, sweep_dir: Path | None = None
+            ) -> list[str]:
+    """The step's process: its sweep (``overrides`` instead of the step's own, into ``sweep_dir`` instead
+    of its directory: precompile's), or this script's step."""
     if step.preset is None:  # this script again, for one step of its own
         cmd = [str(Path(__file__).resolve()), "--child", step.name, "--out", str(ctx.out),
                "--variants", ",".join(ctx.labels), *(["--smoke"] if ctx.plan.smoke else [])]
         return cmd + ([] if ctx.left() == float("inf") else ["--budget-s", f"{ctx.left():.0f}"])
-    cmd = ["-m", "harness", "--multirun", f"sweep={step.preset}", *step.overrides, *ctx.plan.common,
-           "logger=none", f"hydra.sweep.dir={ctx.out / step.directory}"]
+    cmd = ["-m", "harness", "--multirun", f"sweep={step.preset}", *(step.overrides if overrides is None else overrides),
+           *ctx.plan.common, "logger=none", f"hydra.sweep.dir={sweep_dir or ctx.out / step.directory}"]
     if ctx.device.type == "cuda":  # skip what clearly cannot fit; the rest runs and an oom is recorded
         cmd.append(f"memory_budget_gb={1.25 * torch.cuda.get_device_properties(ctx.device).total_memory / 1e9:.1f}")
     return cmd
@@ -289,6 +303,83 @@ def run_step(ctx: Context, step: Step) -> None:
         if rc == 0 or attempt == 2 or ctx.left() < 60:
             return
         ctx.log(f"[{step.name}] exit {rc}: once more, resuming")
+
+
+def compiled(step: Step) -> bool:
+    """A sweep of the backends that compile per N (a_series' <label>:compiled)."""
+    return step.name.endswith(":compiled")
+
+
+def pending_lengths(ctx: Context, step: Step) -> list[int]:
+    """The lengths of ``step``'s sweep that its directory holds no row of yet (for its backends)."""
+    chosen = next(o for o in step.overrides if o.startswith("variant.backend=")).split("=", 1)[1].split(",")
+    held = {r["seq_len"] for path in (ctx.out / step.directory).rglob("results.jsonl")
+            for r in latest(read_jsonl(path)) if r.get("backend") in chosen}
+    lens = next(o for o in with_seq_lens(step.preset, list(step.overrides), lambda n: True) if o.startswith("seq_lens="))
+    return [n for n in yaml.safe_load(lens.split("=", 1)[1]) if n not in held]
+
+
+def precompile_chunks(ctx: Context, steps: list[Step]) -> list[tuple[Step, list[int]]]:
+    """The pending points of ``steps`` in about PRECOMPILE_PROCESSES processes: each step's lengths split
+    over a share of them as large as its share of the points (every other length: alike in cost), so
+    that a step of five lengths alone compiles them at once, and five steps of ten take a process each
+    (a process starts in seconds, about what compiling one point costs)."""
+    pending = [(step, pending_lengths(ctx, step)) for step in steps]
+    total = sum(len(lens) for _, lens in pending)
+    chunks = []
+    for step, lens in pending:
+        m = max(1, min(len(lens), round(PRECOMPILE_PROCESSES * len(lens) / max(total, 1))))
+        chunks += [(step, lens[i::m]) for i in range(m) if lens[i::m]]
+    return chunks
+
+
+def precompile(ctx: Context, steps: list[Step]) -> None:
+    """Compiles the points of ``steps`` (sweeps of a compiled backend, about to run one after another)
+    several at once, before they are timed one at a time. Each process is a step's own sweep narrowed to
+    some of its lengths, each point a warm-up call only (measure.passes=[], no memory, no fidelity: the
+    harness's prepare and one checked forward+backward, which compile what its timed passes call), into
+    a scratch directory removed after. torch's compile caches on this machine's disk (inductor's FX
+    graphs and AOT autograd, triton's kernels) keep what they compiled, so each sweep's warm-up then loads
+    its kernels: its rows' warmup_s are a warm cache's. At most PRECOMPILE_PROCESSES at once, within
+    PRECOMPILE_SHARE of the budget left: a process still compiling then is killed, and what it had not
+    compiled compiles in its sweep, as without this step. What fails here (an out-of-memory beside the
+    others, a kernel that does not compile) is said in the log and fails again, recorded, in the sweep."""
+    chunks = precompile_chunks(ctx, steps)
+    points = sum(len(lens) for _, lens in chunks)
+    limit = min(ctx.left(), 3600) * PRECOMPILE_SHARE
+    if points < 2 or limit < 30:  # one point gains nothing from going first
+        return
+    began, deadline = time.monotonic(), time.monotonic() + limit
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    width = min(PRECOMPILE_PROCESSES, len(chunks))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, cores // width))}  # not in the caches' keys
+    ctx.log(f"[precompile] {points} points of {', '.join(s.name for s in steps)} in {len(chunks)} processes, "
+            f"{width} at once, warm-up calls only, within {limit:.0f} s")
+    scratch = Path(tempfile.mkdtemp(prefix="precompile-"))
+
+    def warm(i: int, step: Step, lens: list[int]) -> str | None:
+        """None once compiled, else what happened."""
+        overrides = [o for o in with_seq_lens(step.preset, list(step.overrides), lambda n: n in lens)
+                     if o.split("=", 1)[0] not in WARM_UP_ONLY] + [f"{k}={v}" for k, v in WARM_UP_ONLY.items()]
+        try:
+            proc = subprocess.run([sys.executable, *command(ctx, step, tuple(overrides), scratch / str(i))], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=max(0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return "stopped at the limit"
+        last = (proc.stdout + proc.stderr).strip().splitlines()[-1:]
+        return None if proc.returncode == 0 else f"exit {proc.returncode}: {''.join(last)}"
+
+    try:
+        with ThreadPoolExecutor(width) as pool:
+            outcomes = list(pool.map(lambda c: warm(c[0], *c[1]), enumerate(chunks)))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for (step, lens), outcome in zip(chunks, outcomes):
+        if outcome:  # said, not fatal: the sweep compiles those points itself
+            ctx.log(f"[precompile] {step.name} N={','.join(map(str, lens))}: {outcome}")
+    ctx.log(f"[precompile] {outcomes.count(None)} of {len(chunks)} processes compiled theirs in "
+            f"{time.monotonic() - began:.0f} s")
 
 
 def record_invocation(ctx: Context, steps: list[str]) -> None:
@@ -364,9 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         record_invocation(ctx, steps)
         ctx.log(f"bench_gpu: steps {','.join(steps)} on {device} -> {out}")
         for group in steps:
-            for step in ctx.steps(group):
-                if not ctx.complete(step):
-                    run_step(ctx, step)
+            todo = [step for step in ctx.steps(group) if not ctx.complete(step)]
+            for i, step in enumerate(todo):
+                if compiled(step) and (i == 0 or not compiled(todo[i - 1])):  # the first of a run of them
+                    precompile(ctx, list(itertools.takewhile(compiled, todo[i:])))
+                run_step(ctx, step)
             ctx.log(f"step {group}: {'complete' if ctx.done(group) else 'not complete'}")
     res = summarize(ctx)
     for t in res["targets"]:

@@ -10,6 +10,7 @@ in the results files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -431,6 +432,60 @@ def test_compiled_backends_run_after_every_kernel_that_does_not_compile_in_their
         assert step.overrides[0] == "variant.backend=flex,blocksparse,dense,xformers"
         assert sorted(x for x in step.overrides if x.startswith(("seq_lens=", "head_dim=", "causal="))) == [
             "causal=false", f"head_dim={d}", f"seq_lens=[{n}]"], step
+
+
+def test_compiled_sweeps_are_compiled_ahead_several_at_once_and_then_measured_as_before(tmp_path, monkeypatch):
+    """precompile: before a run of compiled sweeps, their pending lengths are run as warm-up calls only, in
+    a few processes at once, into a scratch directory that is removed; the sweep then measures every
+    point as it would have. On CPU no backend compiles, so linear's sdpa stands in for one here."""
+    bench, kernels, summary = load_bench()
+    monkeypatch.setattr(bench, "COMPILED", ("sdpa",))
+    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    said = []
+    ctx = bench.Context(bench.SMOKE_PLAN, tmp_path / "out", torch.device("cpu"), None, said.append, ["linear"])
+    step = next(s for s in ctx.steps("a-targets") if bench.compiled(s))
+    assert "variant.backend=sdpa" in step.overrides
+    assert bench.precompile_chunks(ctx, [step]) == [(step, [128]), (step, [256])]  # one process per length
+    bench.precompile(ctx, [step])
+    assert said[0].startswith(f"[precompile] 2 points of {step.name} in 2 processes, 2 at once"), said
+    assert said[1].startswith("[precompile] 2 of 2 processes compiled theirs in "), said  # none failed
+    assert not (tmp_path / "out").exists() and not list((tmp_path / "tmp").iterdir())  # nothing kept
+    bench.run_step(ctx, step)
+    rows = [r for p in (tmp_path / "out").rglob("results.jsonl") for r in latest(load_rows(p))]
+    assert sorted((r["seq_len"], r["status"]) for r in rows) == [(128, "ok"), (256, "ok")]
+    assert all(r["fwd_bwd_ms"] > 0 and r["peak_mem_bytes"] is not None for r in rows)
+    # Lengths the directory holds are not compiled again; one length left: not worth going first
+    assert bench.precompile_chunks(ctx, [step]) == []
+    (held,) = {p for p in (tmp_path / "out").rglob("results.jsonl")}
+    held.write_text("".join(line for line in held.read_text().splitlines(True) if '"seq_len": 256' not in line))
+    assert bench.precompile_chunks(ctx, [step]) == [(step, [256])]
+    said.clear()
+    bench.precompile(ctx, [step])
+    assert said == []
+    # What fails there is said, and left to its sweep, where it fails again as a recorded result
+    bad = dataclasses.replace(step, overrides=tuple("variant.backend=nope" if o.startswith("variant.backend=") else o
+                                                    for o in step.overrides))
+    bench.precompile(ctx, [bad])
+    assert said[1:3] == [f"[precompile] {bad.name} N={n}: exit 2: error: linear: unknown backend 'nope'; allowed: "
+                         "math, sdpa" for n in (128, 256)], said
+    assert len(said) == 4 and said[3].startswith("[precompile] 0 of 2 processes compiled theirs in "), said
+
+
+def test_each_run_of_compiled_sweeps_is_compiled_ahead_once_when_it_is_reached(tmp_path, monkeypatch, capsys):
+    """The job compiles ahead where a run of consecutive compiled sweeps begins, those sweeps only: the
+    cache is this machine's, so compiling a later run's points first would be lost with a call that ends
+    before it."""
+    bench, kernels, summary = load_bench()
+    monkeypatch.setattr(bench, "COMPILED", ("sdpa", "blocksparse"))  # CPU stand-ins for flex
+    calls = []
+    monkeypatch.setattr(bench, "run_step", lambda ctx, step: calls.append(step.name))
+    monkeypatch.setattr(bench, "precompile", lambda ctx, steps: calls.append([s.name for s in steps]))
+    assert bench.main(["--smoke", "--steps", "a-targets", "--variants", "sliding_window,linear",
+                       "--out", str(tmp_path)]) == 0
+    assert calls == ["a-targets:linear",  # sliding_window's only other CPU backend is dense (N×N: not a target's)
+                     ["a-targets:sliding_window:compiled", "a-targets:linear:compiled"],
+                     "a-targets:sliding_window:compiled", "a-targets:linear:compiled"], calls
 
 
 def test_a_public_kernel_runs_where_it_can_and_says_why_not_elsewhere(tmp_path):
