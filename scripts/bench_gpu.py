@@ -24,12 +24,13 @@ script runs in a process of its own:
              backend the device has: a series stops at its first oom (the OOM frontier) -> a/<variant>/
 In a step, the backends that compile per N (flex) run in sweeps of their own after the others, and the
 N×N backends last; where a run of such sweeps begins, their points are compiled first, several processes
-at once, by warm-up calls only (precompile: the sweeps then load the kernels from torch's caches). A rerun into the same --out (default results/gpu/<UTC date>-<device>/) resumes: a
-sweep skips the points it has, a finished sweep is not run again (state.json); a directory that an
-earlier invocation measured on another device is refused. --budget-s bounds the
-invocation: a sweep still running when it is spent gets SIGTERM (its job records status interrupted and
-resumes on the next invocation). Then SUMMARY.md and summary.json (targets: met | missed, with the gap |
-not measured | skipped on CPU), and harness.report's plots and tables (a/report/, c/report/).
+at once, by warm-up calls only (precompile: the sweeps then load the kernels from torch's caches). A
+rerun into the same --out (default results/gpu/<UTC date>-<device>/) resumes: a sweep skips the points
+it has, a finished sweep is not run again (state.json); a directory that an earlier invocation measured
+on another device is refused. --budget-s bounds the invocation: a sweep still running when it is spent
+gets SIGTERM (its job records status interrupted and resumes on the next invocation). Then SUMMARY.md
+and summary.json (targets: met | missed, with the gap | not measured | skipped on CPU), and
+harness.report's plots and tables (a/report/, c/report/).
 --smoke: the same code at tiny sizes, float32 on CPU; what needs CUDA (roof, xformers, FlexAttention's
 backward, the kernels SDPA pins) is recorded skipped, and the overhead cases that run on CPU are timed
 against torch.utils.benchmark instead of do_bench.

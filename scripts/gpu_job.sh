@@ -22,12 +22,12 @@
 # minutes; the whole benchmark takes several calls of ten minutes.
 #
 # Environment: BENCH_DIR (default: the latest results/gpu/<UTC date>-<device> without a COMPLETE or CLOSED
-# file, else a new one; one that an earlier call measured on another device is refused), JOB_BUDGET_S (keep it 100 s under any hard limit on the call), OUT, PYTHON,
-# PACK_EVERY_S, RERUN_TESTS=1 (once every GPU test has run: all of them again), TEST_WORKERS (8, at most
-# one per core),
-# SKIP_TESTS=1, SKIP_WHEELS=1, BENCH_ARGS (more bench_gpu.py arguments), HARNESS_CODE_VERSION (the
-# commit every row records as code_version, over any copied .git, which may be older than the tree:
-# `git rev-parse --short=12 HEAD` where it was copied from).
+# file, else a new one; one that an earlier call measured on another device is refused), JOB_BUDGET_S
+# (keep it 100 s under any hard limit on the call), OUT, PYTHON, PACK_EVERY_S, RERUN_TESTS=1 (once every
+# GPU test has run: all of them again), TEST_WORKERS (8, at most one per core), SKIP_TESTS=1,
+# SKIP_WHEELS=1, BENCH_ARGS (more bench_gpu.py arguments), HARNESS_CODE_VERSION (the commit every row
+# records as code_version, over any copied .git, which may be older than the tree: `git rev-parse
+# --short=12 HEAD` where it was copied from).
 # A dry run on a CPU machine (tiny sizes; what needs CUDA is recorded skipped):
 #   OUT=/tmp/o BENCH_DIR=/tmp/b SKIP_WHEELS=1 SKIP_TESTS=1 BENCH_ARGS=--smoke bash scripts/gpu_job.sh
 # Arguments: none (settings go in the environment); -h or --help prints this and exits.
