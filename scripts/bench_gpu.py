@@ -80,11 +80,13 @@ VARIANTS = [("full", "full", {}), ("sliding_window", "sliding_window", {}), ("li
             ("adaptive_span", "adaptive_span", {})]
 COMPILED = ("flex",)  # backends that compile per N (tens of seconds each): sweeps of their own, later
 # Compiling ahead (precompile): at most this many processes at once, within this share of the budget
-# left (a process past it is killed). On the H100's 16-core host a flex point took 4-8 s to compile (adaptive_span's 12-16 s), one after
-# another in its sweep; one compiled by an earlier process warmed up in 0.3-1.7 s (torch's caches).
+# left (a process past it is killed). On the H100's 16-core host a flex point took 4-8 s to compile
+# (adaptive_span's 12-16 s), one after another in its sweep; one compiled by an earlier process warmed up
+# in 0.3-1.7 s (torch's caches).
 PRECOMPILE_PROCESSES = 6  # each holds one point's tensors: 6 at N=64K, B=16, H=8, D=64 are about 60 GB
 PRECOMPILE_SHARE = 1 / 3
-WARM_UP_ONLY = {"measure.passes": "[]", "measure.memory": "false", "fidelity.enabled": "false"}  # a point: prepare, one call
+# A point as warm-up only: the variant's prepare and one checked forward+backward, nothing timed
+WARM_UP_ONLY = {"measure.passes": "[]", "measure.memory": "false", "fidelity.enabled": "false"}
 
 
 @dataclass(frozen=True)
@@ -248,13 +250,18 @@ def d_steps(ctx: Context) -> list[Step]:
     return [Step("d", "d:overhead"), *steps, Step("d", "d:public")]
 
 
-def with_seq_lens(preset: str, overrides: list[str], keep: Callable[[int], bool]) -> list[str]:
-    """``overrides`` with seq_lens narrowed to the lengths ``keep`` admits, of the overrides' own seq_lens
-    or else the preset's."""
+def seq_lens(preset: str, overrides: list[str] | tuple[str, ...]) -> list[int]:
+    """The lengths a sweep of ``preset`` with ``overrides`` runs: the overrides' own seq_lens, else the preset's."""
     own = [o for o in overrides if o.startswith("seq_lens=")]
-    lens = (yaml.safe_load(own[-1].split("=", 1)[1]) if own else
+    return (yaml.safe_load(own[-1].split("=", 1)[1]) if own else
             yaml.safe_load((ROOT / "conf" / "sweep" / f"{preset}.yaml").read_text())["seq_lens"])
-    return [o for o in overrides if o not in own] + [f"seq_lens=[{','.join(str(n) for n in lens if keep(n))}]"]
+
+
+def with_seq_lens(preset: str, overrides: list[str], keep: Callable[[int], bool]) -> list[str]:
+    """``overrides`` with seq_lens narrowed to the lengths ``keep`` admits (of ``seq_lens``)."""
+    lens = seq_lens(preset, overrides)
+    kept = ",".join(str(n) for n in lens if keep(n))
+    return [o for o in overrides if not o.startswith("seq_lens=")] + [f"seq_lens=[{kept}]"]
 
 
 def command(ctx: Context, step: Step, overrides: tuple[str, ...] | None = None, sweep_dir: Path | None = None
@@ -316,8 +323,7 @@ def pending_lengths(ctx: Context, step: Step) -> list[int]:
     chosen = next(o for o in step.overrides if o.startswith("variant.backend=")).split("=", 1)[1].split(",")
     held = {r["seq_len"] for path in (ctx.out / step.directory).rglob("results.jsonl")
             for r in latest(read_jsonl(path)) if r.get("backend") in chosen}
-    lens = next(o for o in with_seq_lens(step.preset, list(step.overrides), lambda n: True) if o.startswith("seq_lens="))
-    return [n for n in yaml.safe_load(lens.split("=", 1)[1]) if n not in held]
+    return [n for n in seq_lens(step.preset, step.overrides) if n not in held]
 
 
 def precompile_chunks(ctx: Context, steps: list[Step]) -> list[tuple[Step, list[int]]]:
