@@ -172,7 +172,7 @@ take_home() {
 if [ -z "${BENCH_DIR:-}" ]; then
     # This device's latest results directory unless it is complete or closed (CLOSED: a file saying why no
     # more runs go into it, e.g. code that changes its numbers): a benchmark that takes several calls
-    # (several sessions, several days) goes on where it stopped. A new one is named by the date, or by
+    # (over several days, on several machines) goes on where it stopped. A new one is named by the date, or by
     # the date and time where a directory of that date exists (they sort in the order they were made).
     latest=$(ls -d results/gpu/*-"$DEVICE" 2>/dev/null | sort | tail -n 1)
     if [ -n "$latest" ] && [ ! -f "$latest/COMPLETE" ] && [ ! -f "$latest/CLOSED" ]; then
