@@ -264,6 +264,20 @@ def test_a_peak_of_zero_has_no_ratio_and_the_report_is_whole(tmp_path):
     assert (tmp_path / "report" / "report.html").is_file()
 
 
+def test_a_crossover_cell_says_whether_nothing_ran_at_a_common_n_or_it_was_noisy():
+    """A series compared at no N: none the two both ran, or every such point's timing noisy (flagged on a
+    busy machine): the cell says which, not "timed by neither" for points that were timed."""
+    full = [row("full", "sdpa", n, fwd=1.0) for n in (256, 512)]
+    noisy = [{**row("sparse", "blocksparse", n, fwd=2.0), "noisy": True} for n in (256, 512)]
+    elsewhere = [row("linear", "math", 1024, fwd=0.5)]
+    faster = [row("blockwise", "online", n, fwd=0.5) for n in (256, 512)]
+    groups = report.group_series([*full, *noisy, *elsewhere, *faster])
+    _, body = report.crossover_table(groups, report.series_labels(groups))
+    assert {r[0]: r[1:] for r in body} == {"sparse/blocksparse": ["noisy at every N both ran"] * 2,
+                                           "linear/math": ["no N timed by both"] * 2,
+                                           "blockwise/online": ["256 (faster at every N)"] * 2}
+
+
 def test_crossover_and_max_fitting_on_constructed_case():
     def rows_of(times, status=None):
         status = status or {}

@@ -347,11 +347,15 @@ def crossover_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tu
             body.append([labels[s], *["no full series to compare"] * len(SPEEDUP_METRICS)])
             continue
         cells = []
+        full = [groups[f] for f in refs[_ref_key(s)]]
+        # N at which both ran: where nothing is compared there, it is because a timing there was noisy
+        both = ({r["seq_len"] for r in rows if r.get("status") == "ok"} &
+                {r["seq_len"] for f in full for r in f if r.get("status") == "ok"})
         for metric, _ in SPEEDUP_METRICS:
-            found = crossover(rows, reference([groups[f] for f in refs[_ref_key(s)]], metric), metric)
+            found = crossover(rows, reference(full, metric), metric)
             n, always = found or (None, False)
-            cells.append("no N timed by both" if found is None else "none in range" if n is None
-                         else f"{n} (faster at every N)" if always else n)
+            cells.append(("no N timed by both" if not both else "noisy at every N both ran") if found is None
+                         else "none in range" if n is None else f"{n} (faster at every N)" if always else n)
         body.append([labels[s], *cells])
     return head, body
 
