@@ -516,15 +516,13 @@ def result_files(path: str | Path) -> list[Path]:
     raise InputError(f"{path}: no results.jsonl or results.csv found under it")
 
 
-def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
-    """One row per point under ``path`` (a point measured more than once: its last row, and one notice
-    saying so), for the report and compare tools. Damaged lines (or CSV rows) are left out with one notice
-    per file naming them and why; nothing is modified. Raises InputError."""
+def read_files(path: str | Path, warn=None) -> list[tuple[Path, list[dict[str, Any]]]]:
+    """Each results file under ``path`` (``result_files``) with its valid rows in file order. Damaged lines
+    (or CSV rows) are left out with one notice per file naming them and why; nothing is modified. Raises
+    InputError, also where no file holds a row."""
     warn = warn or _stderr
-    rows: list[dict[str, Any]] = []
     notices: list[str] = []
-    files_of: dict[tuple, list[Path]] = {}  # point -> the files holding a row of it
-    machines_of: dict[tuple, set[tuple]] = {}  # point -> the machines its timed rows were measured on
+    read = []
     files = result_files(path)
     for file in files:
         try:
@@ -533,16 +531,8 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
             raise InputError(f"{file}: cannot read ({type(err).__name__}: {err})") from None
         if contents.damaged:
             notices.append(f"{contents.warning(file)}: {len(contents.damaged)} line(s) left out")
-        found = contents.rows
-        for row in found:
-            key = point_key(row)
-            files_of.setdefault(key, [])
-            if file not in files_of[key]:
-                files_of[key].append(file)
-            if any(row.get(m) is not None for m in (*TIME_METRICS, "peak_mem_bytes")):
-                machines_of.setdefault(key, set()).add(machine(row))
-        rows += found
-    if not rows:
+        read.append((file, contents.rows))
+    if not any(rows for _, rows in read):
         raise InputError(f"{path}: no result rows found" + (f" ({notices[0]})" if notices else ""))
     if Path(path).is_dir() and all(f.name == "results.jsonl" for f in files):
         # the jsonl files are read, so a results.csv with no jsonl beside it is not: a table combined from
@@ -555,6 +545,26 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
                            f"directory on its own to read its results.csv")
     for notice in notices:
         warn(notice)
+    return read
+
+
+def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
+    """One row per point under ``path`` (a point measured more than once: its last row, and one notice
+    saying so), for the report and compare tools. Damaged lines are left out (``read_files``). Raises
+    InputError."""
+    warn = warn or _stderr
+    rows: list[dict[str, Any]] = []
+    files_of: dict[tuple, list[Path]] = {}  # point -> the files holding a row of it
+    machines_of: dict[tuple, set[tuple]] = {}  # point -> the machines its timed rows were measured on
+    for file, found in read_files(path, warn):
+        for row in found:
+            key = point_key(row)
+            files_of.setdefault(key, [])
+            if file not in files_of[key]:
+                files_of[key].append(file)
+            if any(row.get(m) is not None for m in (*TIME_METRICS, "peak_mem_bytes")):
+                machines_of.setdefault(key, set()).add(machine(row))
+        rows += found
     points = latest(rows)
     # A point in two files is two runs of it (jobs that differ only in a setting outside the identity,
     # e.g. measure.timer; or two machines): not a re-measurement, and not to be hidden as one.
@@ -564,14 +574,7 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
         warn(f"{path}: {sum(len(ms) > 1 for ms in machines_of.values())} point(s) were timed on more than one "
              f"machine ({names}); each is drawn from its last row, so a series can mix machines. Give the "
              f"report one machine's results")
-    versions_of: dict[Series, set[str]] = {}  # series -> the code versions of its points' rows
-    for r in points:
-        versions_of.setdefault(series_key(r), set()).add(str(r.get("code_version")))
-    mixed_code = [v for v in versions_of.values() if len(v) > 1]
-    if mixed_code:  # a resumed run keeps the points measured before a change of code
-        warn(f"{path}: {len(mixed_code)} series mix code versions ({', '.join(sorted(set().union(*mixed_code)))}): "
-             f"a resumed run keeps the points measured before; resume=false (or a new directory) measures a "
-             f"series with one")
+    warn_mixed_code(path, points, warn)
     shared = [files for files in files_of.values() if len(files) > 1]
     if shared:
         warn(f"{path}: {len(shared)} point(s) are in more than one results file (e.g. "
@@ -583,6 +586,18 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
         warn(f"{path}: {again} row(s) are earlier measurements of a point measured again; the last measurement "
              f"of each point is used")
     return points
+
+
+def warn_mixed_code(path: str | Path, rows: list[dict[str, Any]], warn=None) -> None:
+    """One notice where a series' rows under ``path`` were measured by more than one code version."""
+    versions_of: dict[Series, set[str]] = {}  # series -> the code versions of its points' rows
+    for r in rows:
+        versions_of.setdefault(series_key(r), set()).add(str(r.get("code_version")))
+    mixed_code = [v for v in versions_of.values() if len(v) > 1]
+    if mixed_code:  # a resumed run keeps the points measured before a change of code
+        (warn or _stderr)(f"{path}: {len(mixed_code)} series mix code versions "
+                          f"({', '.join(sorted(set().union(*mixed_code)))}): a resumed run keeps the points measured "
+                          f"before; resume=false (or a new directory) measures a series with one")
 
 
 def _stderr(message: str) -> None:

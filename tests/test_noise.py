@@ -14,6 +14,7 @@ import torch
 from rich.console import Console
 
 from harness.report import sweep as report
+from harness.report.collect import compare_key
 from harness.report.compare import compare, judge
 from harness.config import MeasureOptions
 from harness.console import Display
@@ -277,7 +278,8 @@ def test_a_regression_needs_the_threshold_and_separate_iqr_intervals():
     assert judge("fwd_bwd_ms", a, slower_clear, 0.1)[1] == "REGRESSION"
     assert judge("fwd_bwd_ms", a, slower_within, 0.1)[1] == "within noise"
     assert judge("fwd_bwd_ms", a, {**slower_clear, "noisy": True}, 0.1)[1] == "noisy"
-    result = compare([a], [{**slower_clear, "noisy": True, "noise_reasons": "others"}], ["fwd_bwd_ms"], 0.1)
+    b = {**slower_clear, "noisy": True, "noise_reasons": "others"}
+    result = compare({compare_key(a): [a]}, {compare_key(b): [b]}, ["fwd_bwd_ms"], 0.1)  # one run a side
     assert result["regressions"] == 0 and result["noisy"] == ["full/sdpa N=1024: noisy in B (others)"]
     # memory has no spread: the threshold alone decides
     assert judge("peak_mem_bytes", a, {**a, "peak_mem_bytes": 2 * a["peak_mem_bytes"]}, 0.1)[1] == "REGRESSION"

@@ -463,6 +463,55 @@ def test_compare_refuses_a_side_with_a_point_on_two_devices(tmp_path):
     _one_line_error(res, "A holds the same points on several devices (cpu, cuda)", "allowed: one device per side")
 
 
+def test_compare_pools_repeated_runs_and_judges_a_time_against_their_spread(tmp_path, capsys):
+    """Runs of the same code differ by more than one run's interquartile range on a busy machine (two runs
+    of one sweep on a 2-core VM: 2 to 4 of 21 points "regressed" by 13-35%, each clear of its IQR). A side
+    may hold several runs of its points (the same sweep into several directories under it): their median
+    is compared, and a change must clear the span of every run's interval, a noisy run's included."""
+    from harness.report.compare import main as compare
+
+    def runs(side: str, times: list[float], noisy: tuple[int, ...] = (), **extra) -> Path:
+        for i, ms in enumerate(times):  # fwd_bwd_ms = 3 · fwd
+            write_sweep(tmp_path / side / f"run{i}", [[row("full", "sdpa", 512, fwd=ms / 3, mem=1, fwd_bwd_iqr_ms=0.2,
+                                                           noisy=i in noisy, noise_reasons="x" if i in noisy else None,
+                                                           **extra)]])
+        return tmp_path / side
+
+    def flag(a: Path, b: Path) -> tuple[str, str]:
+        assert compare([str(a), str(b), "--metric", "fwd_bwd_ms"]) == 0
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.strip().startswith("full/sdpa"))
+        return line.split()[-1], out
+
+    # A change clear of every run's interval is a regression, from three runs a side
+    verdict, out = flag(runs("a", [10.0, 10.3, 9.9]), runs("b", [13.0, 13.2, 12.8]))
+    assert verdict == "REGRESSION" and "13 " in out and "[1 points, 3 runs of each;" in out
+    assert "judged on one run" not in out
+    # Medians 11.5 / 10.2 apart, but the runs of each side spread over the other's: within noise; each pair
+    # of single runs claims a change, and says it rests on one run a side
+    verdict, _ = flag(runs("c", [10.0, 10.2, 12.6]), runs("d", [11.5, 12.0, 9.9]))
+    assert verdict == "noise"
+    verdict, out = flag(tmp_path / "c" / "run0", tmp_path / "d" / "run0")
+    assert verdict == "REGRESSION" and "1 change(s) of time judged on one run of A or B" in out
+    # A noisy run is left out of the value, not out of the spread
+    verdict, out = flag(runs("e", [10.0, 10.1, 14.0], noisy=(2,)), runs("f", [12.0, 12.1, 12.05]))
+    assert verdict == "noise" and " 10.05 " in out
+    # Every run of a point noisy: not judged on time
+    verdict, out = flag(runs("g", [10.0, 10.1], noisy=(0, 1)), runs("h", [13.0, 13.1]))
+    assert verdict == "noisy" and "noisy in A" in out
+    # Runs of one point from two machines are not pooled: one line, exit 2
+    runs("i", [10.0])
+    write_sweep(tmp_path / "i" / "other", [[row("full", "sdpa", 512, fwd=3.0, mem=1, device_name="Another CPU")]])
+    assert compare([str(tmp_path / "i"), str(tmp_path / "b")]) == 2
+    assert capsys.readouterr().err == ("compare: error: A holds the same points on several machines (Another CPU, "
+                                       "Synthetic CPU); allowed: one machine per side (runs of one machine)\n")
+    # Runs of two code versions are pooled, and said
+    for i, code in enumerate(("aaaaaaaaaaaa", "bbbbbbbbbbbb")):
+        write_sweep(tmp_path / "j" / f"run{i}", [[row("full", "sdpa", 512, fwd=3.0, mem=1, code_version=code)]])
+    assert compare([str(tmp_path / "j"), str(tmp_path / "b")]) == 0
+    assert "1 series mix code versions (aaaaaaaaaaaa, bbbbbbbbbbbb)" in capsys.readouterr().err
+
+
 # ----- bad input ---------------------------------------------------------------------------------------
 
 def _one_line_error(res: subprocess.CompletedProcess, *needles: str) -> None:

@@ -12,18 +12,24 @@ by the time it is computed from), the change must also clear the noise: the inte
 and B (median ± IQR/2) must not overlap, else it is "within noise". A point noisy in A or B (its timings
 cannot be trusted) is not judged on its times: it is listed apart. Exit status: 1 on a regression with
 --fail-on-regression, else 0; 2 on bad input.
+
+One run a side measures the noise within a run only; on a shared machine runs of the same code differ by
+more. A side may hold several runs of its points (the same sweep run again into other directories under
+it: a point in several results files): they are pooled, the median of their medians set against the
+other side, and a time change must clear every run's interval, so the spread between runs counts too.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from typing import Any
 
 from ..config import one_line_errors
-from ..results import SCHEMA, from_timings
-from .collect import InputError, compare_key, environment_fields, load_rows, number, series_key, series_labels
+from ..results import SCHEMA, from_timings, latest, machine, read_files, warn_mixed_code
+from .collect import InputError, compare_key, environment_fields, number, series_key, series_labels
 
 
 def higher_is_better(metric: str) -> bool:
@@ -40,17 +46,56 @@ def _fmt(metric: str, v: float | None) -> str:
     return f"{v:.4g}"
 
 
-def _interval(row: dict, metric: str) -> tuple[float, float] | None:
-    """(median − IQR/2, median + IQR/2) of a time metric, or of the time a throughput is computed from
-    (tflops_<pass>[_useful]: the same measurement, the same noise); None for metrics without a spread."""
+def _interval(runs: list[dict], metric: str) -> tuple[float, float] | None:
+    """The interval a point's time is judged by: (median − IQR/2, median + IQR/2) of one run; for several,
+    the span of every ok run's such interval, a noisy run's too (its median is left out of the value, not
+    its evidence of how far runs of this point spread). For a throughput (tflops_<pass>[_useful]), that of
+    the time it is computed from (the same measurement, the same noise). None for metrics without a
+    spread."""
     if metric.startswith("tflops_"):
         metric = metric.removeprefix("tflops_").removesuffix("_useful") + "_ms"
     if not metric.endswith("_ms"):
         return None
-    median, iqr = number(row.get(metric)), number(row.get(metric.removesuffix("_ms") + "_iqr_ms"))
-    if median is None:
+    ends = [(number(r[metric]), number(r.get(metric.removesuffix("_ms") + "_iqr_ms")) or 0.0)
+            for r in runs if r.get("status") == "ok" and number(r.get(metric)) is not None]
+    if not ends:
         return None
-    return median - (iqr or 0.0) / 2, median + (iqr or 0.0) / 2
+    return min(m - iqr / 2 for m, iqr in ends), max(m + iqr / 2 for m, iqr in ends)
+
+
+def trusted(runs: list[dict]) -> list[dict]:
+    """The runs whose timings count: ok and not noisy."""
+    return [r for r in runs if r.get("status") == "ok" and not r.get("noisy")]
+
+
+def pooled(runs: list[dict], metrics: list[str]) -> dict:
+    """One row for a point's runs (the same point in several results files of one side): its last run's
+    row, each metric the median over the ok runs (a timing: over those not noisy, noisy only where every
+    ok run is). One run: its row as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    row = dict(runs[-1])
+    ok, timed = [r for r in runs if r.get("status") == "ok"], trusted(runs)
+    for m in metrics:
+        values = [number(r.get(m)) for r in (timed or ok if from_timings(m) else ok)]
+        values = [v for v in values if v is not None]
+        row[m] = statistics.median(values) if values else None
+    row["noisy"] = bool(ok) and not timed
+    if row["noisy"]:
+        row["noise_reasons"] = next(r.get("noise_reasons") for r in reversed(ok))
+    return row
+
+
+def runs_by_point(path: str) -> dict[tuple, list[dict]]:
+    """compare_key -> the point's runs under ``path``: its row in each results file holding it (the file's
+    last), in the order read. A point in several files is several runs of it (the same sweep run again into
+    another directory under ``path``)."""
+    runs: dict[tuple, list[dict]] = {}
+    for _, rows in read_files(path):
+        for r in latest(rows):
+            runs.setdefault(compare_key(r), []).append(r)
+    warn_mixed_code(path, [r for rs in runs.values() for r in rs])
+    return runs
 
 
 def numeric(metric: str) -> bool:
@@ -59,8 +104,11 @@ def numeric(metric: str) -> bool:
     return bool(types) and set(types) <= {int, float}
 
 
-def judge(metric: str, ra: dict, rb: dict, threshold: float) -> tuple[float | None, str]:
-    """(B/A, flag) for one metric of one matched point."""
+def judge(metric: str, ra: dict, rb: dict, threshold: float, runs_a: list[dict] | None = None,
+          runs_b: list[dict] | None = None) -> tuple[float | None, str]:
+    """(B/A, flag) for one metric of one matched point: ``ra`` and ``rb`` its rows (``pooled``), ``runs_a``
+    and ``runs_b`` the runs they pool (by default the rows themselves), whose intervals a change of time
+    must clear."""
     va = number(ra.get(metric)) if ra.get("status") == "ok" else None
     vb = number(rb.get(metric)) if rb.get("status") == "ok" else None
     ratio = vb / va if va and vb is not None else None
@@ -76,33 +124,39 @@ def judge(metric: str, ra: dict, rb: dict, threshold: float) -> tuple[float | No
     better = ratio > 1 + threshold if higher_is_better(metric) else ratio < 1 - threshold
     if not (worse or better):
         return ratio, ""
-    ia, ib = _interval(ra, metric), _interval(rb, metric)
+    ia, ib = _interval(runs_a or [ra], metric), _interval(runs_b or [rb], metric)
     if ia is not None and ib is not None and ia[0] <= ib[1] and ib[0] <= ia[1]:
-        return ratio, "within noise"  # the interquartile intervals overlap: not a change we can claim
+        return ratio, "within noise"  # the intervals overlap: not a change we can claim
     return ratio, "REGRESSION" if worse else "better"
 
 
-def compare(rows_a: list[dict], rows_b: list[dict], metrics: list[str], threshold: float) -> dict[str, Any]:
+def compare(runs_a: dict[tuple, list[dict]], runs_b: dict[tuple, list[dict]], metrics: list[str],
+            threshold: float) -> dict[str, Any]:
     """{'table': [[series, N, per metric: A, B, B/A, flag]...], 'regressions': points regressed,
-    'noisy': points noisy in A or B, 'only_a' / 'only_b': unmatched points}."""
-    a = {compare_key(r): r for r in rows_a}  # one device per side (main refuses more)
-    b = {compare_key(r): r for r in rows_b}
+    'noisy': points noisy in A or B, 'only_a' / 'only_b': unmatched points, 'time_changes_from_one_run':
+    points whose time changed on one run of a side}. ``runs_a``, ``runs_b``:
+    ``runs_by_point`` of each side (one machine per side: main refuses more)."""
+    a = {k: pooled(runs, metrics) for k, runs in runs_a.items()}
+    b = {k: pooled(runs, metrics) for k, runs in runs_b.items()}
     # Label series without the device, so a point of A and its match in B share a label.
-    labels = series_labels(series_key(r)._replace(device=None) for r in [*rows_a, *rows_b])
+    labels = series_labels(series_key(r)._replace(device=None) for r in [*a.values(), *b.values()])
 
     def label(r: dict) -> str:
         return labels[series_key(r)._replace(device=None)]
 
-    table, regressions, noisy = [], 0, []
+    table, regressions, noisy, one_run = [], 0, [], 0
     for key in sorted(a.keys() & b.keys(), key=lambda k: (label(a[k]), a[k]["seq_len"])):
         ra, rb = a[key], b[key]
         row: list[str] = [label(ra), str(ra["seq_len"])]
+        timed_change = False  # a change of time claimed on this point
         for m in metrics:
-            ratio, flag = judge(m, ra, rb, threshold)
+            ratio, flag = judge(m, ra, rb, threshold, runs_a[key], runs_b[key])
             va = number(ra.get(m)) if ra.get("status") == "ok" else None
             vb = number(rb.get(m)) if rb.get("status") == "ok" else None
             row += [_fmt(m, va), _fmt(m, vb), "—" if ratio is None else f"{ratio:.3f}", flag]
+            timed_change |= flag in ("REGRESSION", "better") and from_timings(m)
         regressions += any(c.startswith("REGRESSION") for c in row)  # points, not point x metric
+        one_run += timed_change and min(len(runs_a[key]), len(runs_b[key])) == 1
         if ra.get("noisy") or rb.get("noisy"):
             which = " and ".join(side for side, r in (("A", ra), ("B", rb)) if r.get("noisy"))
             noisy.append(f"{label(ra)} N={ra['seq_len']}: noisy in {which} "
@@ -118,7 +172,21 @@ def compare(rows_a: list[dict], rows_b: list[dict], metrics: list[str], threshol
         return [f"{s} N={','.join(map(str, sorted(ns)))}" for s, ns in sorted(by_series.items())]
 
     return {"table": table, "regressions": regressions, "noisy": noisy, "only_a": unmatched(a, b),
-            "only_b": unmatched(b, a)}
+            "only_b": unmatched(b, a), "time_changes_from_one_run": one_run}
+
+
+def machine_name(row: dict) -> str:
+    """The machine a row was timed on, in words (results.machine)."""
+    name, threads = machine(row)
+    return f"{name}{f' ({threads} threads)' if threads else ''}"
+
+
+def _runs(runs: dict[tuple, list[dict]]) -> str:
+    """', k runs of each' (or 'j to k runs a point') where a side pools several runs; '' for one."""
+    counts = sorted({len(rs) for rs in runs.values()})
+    if counts == [1]:
+        return ""
+    return f", {counts[0]} runs of each" if len(counts) == 1 else f", {counts[0]} to {counts[-1]} runs a point"
 
 
 def _devices(rows: list[dict]) -> str:
@@ -151,15 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         if not math.isfinite(args.threshold) or args.threshold < 0:  # nan and inf would never flag a regression
             raise InputError(f"--threshold must be a finite number >= 0 (a relative change: 0.10 is 10%); "
                              f"got {args.threshold}")
-        rows_a, rows_b = load_rows(args.a), load_rows(args.b)
-        for side, rows in (("A", rows_a), ("B", rows_b)):  # points match across devices: one per side
-            devices: dict[tuple, set[str]] = {}
-            for r in rows:
-                devices.setdefault(compare_key(r), set()).add(str(r.get("device")))
-            several = sorted({d for ds in devices.values() if len(ds) > 1 for d in ds})
-            if several:
-                raise InputError(f"{side} holds the same points on several devices ({', '.join(several)}); allowed: "
-                                 f"one device per side (a run's directory or file of one device)")
+        runs_a, runs_b = runs_by_point(args.a), runs_by_point(args.b)
+        rows_a, rows_b = ([r for runs in side.values() for r in runs] for side in (runs_a, runs_b))
+        for side, runs in (("A", runs_a), ("B", runs_b)):  # points match across devices: one per side
+            for what, of in (("devices", lambda r: str(r.get("device"))), ("machines", machine_name)):
+                several = sorted({of(r) for rs in runs.values() if len({of(r) for r in rs}) > 1 for r in rs})
+                if several:  # which row to match, or which runs to pool, is not knowable
+                    raise InputError(f"{side} holds the same points on several {what} ({', '.join(several)}); "
+                                     f"allowed: one {what[:-1]} per side (runs of one {what[:-1]})")
         unknown = [m for m in metrics if not any(m in r for r in [*rows_a, *rows_b])]
         if unknown:
             raise InputError(f"--metric: {', '.join(unknown)} in neither A nor B; allowed: a numeric field of the "
@@ -173,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare: error: {err}", file=sys.stderr)
         return 2
 
-    result = compare(rows_a, rows_b, metrics, args.threshold)
-    print(f"A (baseline):  {args.a}  [{len(rows_a)} points; {_devices(rows_a)}]")
-    print(f"B (candidate): {args.b}  [{len(rows_b)} points; {_devices(rows_b)}]")
+    result = compare(runs_a, runs_b, metrics, args.threshold)
+    print(f"A (baseline):  {args.a}  [{len(runs_a)} points{_runs(runs_a)}; {_devices(rows_a)}]")
+    print(f"B (candidate): {args.b}  [{len(runs_b)} points{_runs(runs_b)}; {_devices(rows_b)}]")
     print(f"threshold {args.threshold * 100:g}%; ratio = B/A\n")  # 0.005: 0.5%, not 0%
     head = ["series", "N"] + [f"{m} {c}" if c else "" for m in metrics for c in ("A", "B", "B/A", "")]
     if result["table"]:
@@ -190,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     n = result["regressions"]
     print(f"\n{n} of {len(result['table'])} matched points regressed"
           + (f"; {len(result['noisy'])} noisy, not judged on time" if result["noisy"] else ""))
+    if result["time_changes_from_one_run"]:
+        print(f"{result['time_changes_from_one_run']} change(s) of time judged on one run of A or B: runs of the "
+              f"same code can differ by more than one run's spread. Repeat the runs (the same sweep into more "
+              f"directories under A and B): compare pools them and judges against their spread")
     return 1 if n and args.fail_on_regression else 0
 
 
