@@ -579,8 +579,8 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
     if shared:
         warn(f"{path}: {len(shared)} point(s) are in more than one results file (e.g. "
              f"{' and '.join(str(f.parent) for f in shared[0][:2])}: runs that differ only in a setting that "
-             f"is not part of a point, or another machine); each point's row from the file read last is used. "
-             f"Give the report one of them to choose")
+             f"is not part of a point, repeated runs, or another machine); each point's row from the file read "
+             f"last is used. Give the report one of them to choose (harness.report.compare pools repeated runs)")
     again = len(rows) - len(points) - sum(len(files) - 1 for files in shared)
     if again > 0:
         warn(f"{path}: {again} row(s) are earlier measurements of a point measured again; the last measurement "
