@@ -321,6 +321,12 @@ def machine(row: dict[str, Any]) -> tuple[Any, Any]:
     return row.get("device_name"), row.get("num_threads") if row.get("device") == "cpu" else None
 
 
+def machine_name(row: dict[str, Any]) -> str:
+    """``machine(row)`` in words: "Intel(R) Xeon(R) Processor (2 threads)", "NVIDIA H100 80GB HBM3"."""
+    name, threads = machine(row)
+    return f"{name}{f' ({threads} threads)' if threads else ''}"
+
+
 def latest(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per point: the last one (a re-measured point supersedes its earlier rows), in the order
     of those last rows."""
@@ -555,7 +561,7 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
     warn = warn or _stderr
     rows: list[dict[str, Any]] = []
     files_of: dict[tuple, list[Path]] = {}  # point -> the files holding a row of it
-    machines_of: dict[tuple, set[tuple]] = {}  # point -> the machines its timed rows were measured on
+    machines_of: dict[tuple, set[str]] = {}  # point -> the machines its timed rows were measured on
     for file, found in read_files(path, warn):
         for row in found:
             key = point_key(row)
@@ -563,14 +569,14 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
             if file not in files_of[key]:
                 files_of[key].append(file)
             if any(row.get(m) is not None for m in (*TIME_METRICS, "peak_mem_bytes")):
-                machines_of.setdefault(key, set()).add(machine(row))
+                machines_of.setdefault(key, set()).add(machine_name(row))
         rows += found
     points = latest(rows)
     # A point in two files is two runs of it (jobs that differ only in a setting outside the identity,
     # e.g. measure.timer; or two machines): not a re-measurement, and not to be hidden as one.
-    mixed = sorted({m for ms in machines_of.values() if len(ms) > 1 for m in ms}, key=str)
+    mixed = sorted({m for ms in machines_of.values() if len(ms) > 1 for m in ms})
     if mixed:  # the point's time and memory belong to the machine of its last row only
-        names = ", ".join(f"{name}{f' ({threads} threads)' if threads else ''}" for name, threads in mixed)
+        names = ", ".join(mixed)
         warn(f"{path}: {sum(len(ms) > 1 for ms in machines_of.values())} point(s) were timed on more than one "
              f"machine ({names}); each is drawn from its last row, so a series can mix machines. Give the "
              f"report one machine's results")

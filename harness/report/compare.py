@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from ..config import one_line_errors
-from ..results import SCHEMA, from_timings, latest, machine, read_files, warn_mixed_code
+from ..results import SCHEMA, from_timings, latest, machine_name, read_files, warn_mixed_code
 from .collect import InputError, compare_key, environment_fields, number, series_key, series_labels
 
 
@@ -173,12 +173,6 @@ def compare(runs_a: dict[tuple, list[dict]], runs_b: dict[tuple, list[dict]], me
 
     return {"table": table, "regressions": regressions, "noisy": noisy, "only_a": unmatched(a, b),
             "only_b": unmatched(b, a), "time_changes_from_one_run": one_run}
-
-
-def machine_name(row: dict) -> str:
-    """The machine a row was timed on, in words (results.machine)."""
-    name, threads = machine(row)
-    return f"{name}{f' ({threads} threads)' if threads else ''}"
 
 
 def _runs(runs: dict[tuple, list[dict]]) -> str:
