@@ -251,7 +251,7 @@ def merge(rec: dict[str, Any], records: list[dict[str, Any]], backend: str, busy
     """One row from every rank's record: the times are already the slowest rank's (time_in_step), the
     warm-up the longest; each rank's peak and the largest; each rank's bytes sent. A failed point names
     the rank whose failure was first: one that raised, rather than one whose transfers then timed out."""
-    from .measure import noise_reasons, spare_cores
+    from .measure import noise, noise_fields, spare_cores
 
     failed = [(i, r) for i, r in enumerate(records) if r["status"] != "ok"]
     peaks = [r.get("peak_mem_bytes") for r in records]
@@ -268,9 +268,9 @@ def merge(rec: dict[str, Any], records: list[dict[str, Any]], backend: str, busy
         siblings = sum(r["own_cpu_s"] for r in records[1:] if r["hostname"] == records[0]["hostname"])
         rec["other_cpu_cores"] = max(0.0, busy - siblings / wall)
     local = sum(r["hostname"] == records[0]["hostname"] for r in records)  # ranks launching on this machine
-    reasons = noise_reasons({**rec, "other_cpu_cores": rec.get("other_cpu_cores")}, s.measure,
-                            spare_cores(rec["device"], launchers=local))
-    rec.update(noisy=bool(reasons), noise_reasons="; ".join(reasons) or None, tries=1)
+    found = noise({**rec, "other_cpu_cores": rec.get("other_cpu_cores")}, s.measure,
+                  spare_cores(rec["device"], launchers=local))
+    rec.update(noise_fields(found, rec, s.measure), tries=1)
     return rec
 
 

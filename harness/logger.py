@@ -175,6 +175,9 @@ def _is_number(v: Any) -> bool:
 
 
 def _cell(v: Any) -> Any:
+    """A table cell: a list (noisy_passes, each rank's peak) as JSON text, as results.csv writes it."""
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)
     return v if v is None or isinstance(v, (int, float, str, bool)) else str(v)
 
 

@@ -15,7 +15,7 @@ Per point:
    method (CUDA events around every call, L2 flushed before it), written out so that a long call still
    gets ``min_samples`` calls (``cuda_time_fn``). Median and interquartile range of the per-call times,
    over at least ``min_samples`` samples (blocks of calls) unless that would pass ``max_run_time``.
-5. Noise: ``noise_reasons`` says why a point's timings cannot be trusted (spread, too few samples,
+5. Noise: ``noise`` says why a point's timings cannot be trusted, and which pass's (spread, too few samples,
    others' load, forward slower than forward+backward); the run flags or re-measures it (``on_noise``).
 """
 
@@ -197,31 +197,43 @@ def retry_helps(reasons: list[str]) -> bool:
     return any(FEW_SAMPLES not in r for r in reasons)
 
 
-def noise_reasons(record: dict, opts: MeasureOptions, spare: float = 0) -> list[str]:
-    """Why the point's timings cannot be trusted as they are: too few samples for a spread, a spread
-    over ``max_rel_iqr`` of the median, other processes' load over ``max_other_cores`` beyond the
-    ``spare`` cores the measurement leaves them (``spare_cores``), a forward slower than forward+backward
-    (only possible when the machine changed under the measurement)."""
-    reasons = []
+def noise(record: dict, opts: MeasureOptions, spare: float = 0) -> list[tuple[str | None, str]]:
+    """Why the point's timings cannot be trusted as they are, each reason with the pass it concerns (None:
+    every pass): a pass's too few samples for a spread, or its spread over ``max_rel_iqr`` of the median;
+    other processes' load over ``max_other_cores`` beyond the ``spare`` cores the measurement leaves them
+    (``spare_cores``), a forward slower than forward+backward (only possible when the machine changed
+    under the measurement). The reasons' words are what harness.results.noisy_passes reads on rows
+    written before noisy_passes was recorded: a pass's own begin with its name and a colon."""
+    reasons: list[tuple[str | None, str]] = []
     for name in opts.passes:
         median, iqr, n = record.get(f"{name}_ms"), record.get(f"{name}_iqr_ms"), record.get(f"{name}_samples")
         if median is None:
             continue
         if n is not None and n < opts.min_samples:
-            reasons.append(f"{name}: {n} sample{'s' if n != 1 else ''} {FEW_SAMPLES}{opts.min_samples} "
-                           f"(one call {median / 1e3:.3g} s; measure.max_run_time={opts.max_run_time:g} s)")
+            reasons.append((name, f"{name}: {n} sample{'s' if n != 1 else ''} {FEW_SAMPLES}{opts.min_samples} "
+                                  f"(one call {median / 1e3:.3g} s; measure.max_run_time={opts.max_run_time:g} s)"))
         elif iqr is not None and median > 0 and iqr / median > opts.max_rel_iqr:
-            reasons.append(f"{name}: IQR {iqr / median:.0%} of the median > measure.max_rel_iqr={opts.max_rel_iqr:g}")
+            reasons.append((name, f"{name}: IQR {iqr / median:.0%} of the median > measure.max_rel_iqr="
+                                  f"{opts.max_rel_iqr:g}"))
     fwd, fwd_bwd = record.get("fwd_ms"), record.get("fwd_bwd_ms")
     if fwd is not None and fwd_bwd is not None and fwd > fwd_bwd:
-        reasons.append(f"forward {fwd:.4g} ms slower than forward+backward {fwd_bwd:.4g} ms")
+        reasons.append((None, f"forward {fwd:.4g} ms slower than forward+backward {fwd_bwd:.4g} ms"))
     others = record.get("other_cpu_cores")
     timed = any(record.get(f"{name}_ms") is not None for name in opts.passes)  # memory alone: load-proof
     if timed and others is not None and others - spare > opts.max_other_cores:
         beyond = f", {others - spare:.2f} beyond the {spare:g} a CUDA measurement leaves them," if spare else ""
-        reasons.append(f"other processes kept {others:.2f} cores busy{beyond} > measure.max_other_cores="
-                       f"{opts.max_other_cores:g}")
+        reasons.append((None, f"other processes kept {others:.2f} cores busy{beyond} > measure.max_other_cores="
+                              f"{opts.max_other_cores:g}"))
     return reasons
+
+
+def noise_fields(found: list[tuple[str | None, str]], record: dict, opts: MeasureOptions) -> dict:
+    """The row's verdict on its timings from ``noise``'s reasons ``found``: noisy, noise_reasons (joined by
+    "; ") and noisy_passes, the timed passes a reason concerns (a reason of the whole point: every one)."""
+    timed = [p for p in opts.passes if record.get(f"{p}_ms") is not None]
+    untrusted = {p for which, _ in found for p in ([which] if which else timed)}
+    return {"noisy": bool(found), "noise_reasons": "; ".join(r for _, r in found) or None,
+            "noisy_passes": [p for p in timed if p in untrusted]}
 
 
 def synchronize(device: torch.device) -> None:

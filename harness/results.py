@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from .config import INT64_MAX, utf8
+from .config import INT64_MAX, PASSES, utf8
 from .logger import RUN_STATE
 
 STATUSES = ("ok", "oom", "skipped", "error", "nonfinite")
@@ -89,6 +89,10 @@ class Result:
     # than forward+backward, too few samples), and how many times the point was measured (on_noise=retry)
     noisy: bool | None
     noise_reasons: str | None
+    # The passes (fwd, bwd, fwd_bwd) whose timings those reasons make untrusted: a pass's own spread or
+    # samples name it alone; others' load, or a forward slower than forward+backward, every timed pass.
+    # [] where none; absent on rows from before 2026-11-27 (``noisy_passes`` reads their reasons)
+    noisy_passes: list | None
     tries: int | None
     # Memory of forward+backward: measured (extra over the inputs; GPU also absolute and reserved) and
     # the variant's analytic estimate of the same extra
@@ -1000,9 +1004,54 @@ def job_state(job_dir: Path) -> dict[str, Any]:
 TIME_METRICS = ("fwd_ms", "bwd_ms", "fwd_bwd_ms")
 
 
+def timing_pass(metric: str) -> str | None:
+    """The timed pass a metric comes from (fwd_ms: fwd; tflops_fwd_bwd_useful: fwd_bwd), None for one
+    that is not a time or a throughput computed from one."""
+    if metric.startswith("tflops_"):
+        name = metric.removeprefix("tflops_").removesuffix("_useful")
+    else:
+        name = metric.removesuffix("_ms") if metric in TIME_METRICS else None
+    return name if name in PASSES else None
+
+
 def from_timings(metric: str) -> bool:
-    """A time, or a throughput computed from one (tflops_*): not to be trusted where timings are noisy."""
-    return metric in TIME_METRICS or metric.startswith("tflops_")
+    """A time, or a throughput computed from one (tflops_*): not to be trusted where its pass is noisy."""
+    return timing_pass(metric) is not None
+
+
+# A row's noise_reasons: reasons joined by "; ", which one reason may hold too ("(one call 12 s;
+# measure.max_run_time=60 s)"): split only where a reason harness.measure writes begins
+_NEXT_REASON = re.compile(r"; (?=(?:fwd_bwd|fwd|bwd): |forward |other processes |try \d+ ended )")
+_PASS_REASON = re.compile(r"(fwd_bwd|fwd|bwd): ")
+_TRY_FAILED = re.compile(r"try \d+ ended ")  # harness.run: a retry's failure, said after the kept try's reasons
+
+
+def noisy_passes(row: dict[str, Any]) -> tuple[str, ...]:
+    """The passes whose timings cannot be trusted, in PASSES' order: none where the row is not noisy, else
+    its noisy_passes. A row from before that field: the passes its noise_reasons name (``fwd: IQR 18%
+    ...``), every pass where one reason concerns the whole point (others' load, a forward slower than
+    forward+backward) or is not one harness.measure writes. A retry's failure said after the reasons
+    (``try 2 ended oom: ...``, the last) concerns a measurement that was not kept."""
+    if not row.get("noisy"):
+        return ()
+    if row.get("noisy_passes") is not None:
+        return tuple(p for p in PASSES if p in row["noisy_passes"])
+    named = set()
+    for reason in _NEXT_REASON.split(row.get("noise_reasons") or ""):
+        found = _PASS_REASON.match(reason)
+        if found:
+            named.add(found.group(1))
+        elif _TRY_FAILED.match(reason):  # the rest is that try's failure
+            break
+        else:
+            return PASSES
+    return tuple(p for p in PASSES if p in named) if named else PASSES
+
+
+def untrusted(row: dict[str, Any], metric: str) -> bool:
+    """Whether ``metric`` of ``row`` is a timing (or a throughput computed from one) whose pass is noisy:
+    left out of fits, crossovers and comparisons. The other passes' timings of the point still count."""
+    return timing_pass(metric) in noisy_passes(row)
 
 
 def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -1014,8 +1063,9 @@ def fit_exponents(rows: Iterable[Result | dict], min_seq_len: int = 0,
                   max_seq_len: int | None = None) -> dict[str, Any]:
     """Fitted exponents of time and peak memory against N over the ok points (at least two distinct N),
     each beside the theory: the log-log slope of the analytic forward FLOPs (time) or of the analytic
-    memory (memory) over the same N. Noisy points are left out of the time fits (``left_out``): their
-    timings cannot be trusted; memory is measured once and is not subject to timing noise."""
+    memory (memory) over the same N. A point whose pass is noisy is left out of that pass's time fit
+    (``left_out_noisy``): its timing cannot be trusted; memory is measured once and is not subject to timing
+    noise."""
     recs = [r.record() if isinstance(r, Result) else r for r in rows]
     recs = [r for r in recs if r["status"] == "ok" and r["seq_len"] >= min_seq_len
             and (max_seq_len is None or r["seq_len"] <= max_seq_len)]
@@ -1023,8 +1073,8 @@ def fit_exponents(rows: Iterable[Result | dict], min_seq_len: int = 0,
     pairs = [(m, m, "flops_fwd") for m in TIME_METRICS] + [("memory", "peak_mem_bytes", "analytic_mem_bytes")]
     for key, measured, analytic in pairs:
         usable = [r for r in recs if _positive(r.get(measured)) and _positive(r.get(analytic))]
-        noisy = sorted({r["seq_len"] for r in usable if r.get("noisy")}) if key != "memory" else []
-        pts = [r for r in usable if key == "memory" or not r.get("noisy")]
+        noisy = sorted({r["seq_len"] for r in usable if untrusted(r, measured)})
+        pts = [r for r in usable if not untrusted(r, measured)]
         seq_lens = sorted({r["seq_len"] for r in pts})
         if len(seq_lens) < 2:
             continue

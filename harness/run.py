@@ -24,7 +24,7 @@ from . import env as envmod
 from .config import DEFAULT_BUDGET_SHARE, ConfigError, Settings, one_line, settings_from_config
 from .console import Display
 from .logger import sweep_group_name, wandb_run
-from .measure import measure_point, noise_reasons, retry_helps, spare_cores, timer_name
+from .measure import measure_point, noise, noise_fields, retry_helps, spare_cores, timer_name
 from .memory import device_lost, is_out_of_memory, release_memory
 from .quality import quality, task_config, task_options
 from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, SLOW, TASK_OPT_PREFIX, JobStatus, LockedError,
@@ -491,8 +491,9 @@ def measure_quietest(attn: variants.Attention, s: Settings, seq_len: int, device
                 return {**attempt, "tries": tries}
             failed = f"try {tries} ended {attempt['status']}: {attempt['reason']}"
             break
-        reasons = noise_reasons(attempt, s.measure, spare_cores(device))
-        attempt.update(noisy=bool(reasons), noise_reasons="; ".join(reasons) or None)
+        found = noise(attempt, s.measure, spare_cores(device))
+        attempt.update(noise_fields(found, attempt, s.measure))
+        reasons = [reason for _, reason in found]
         if tries > 1:  # the warm-up that compiled was the first try's: the point's cost of getting ready
             attempt.update(setup_s=rec["setup_s"], warmup_s=rec["warmup_s"])
         if best is None or _noise_score(attempt, reasons) < _noise_score(*best):

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from harness.results import InputError, atomic_write, fit_exponents, latest, load_rows, read_jsonl, write_json
+from harness.results import (InputError, atomic_write, fit_exponents, latest, load_rows, noisy_passes, read_jsonl,
+                             untrusted, write_json)
 
 if TYPE_CHECKING:
     from bench_gpu import Context
@@ -158,7 +159,7 @@ def roof_target(ctx: Context, c: list[dict[str, Any]], res: dict[str, Any]) -> N
     backend's TFLOP/s at the FA-2/FA-3 shape's longest N."""
     n, d = ctx.plan.roof_target
     fwd = [(r["backend"], r["tflops_fwd"]) for r in c if r["seq_len"] == n and r["head_dim"] == d
-           and not r["causal"] and r["tflops_fwd"] and r["status"] == "ok" and not r.get("noisy")]
+           and not r["causal"] and r["tflops_fwd"] and r["status"] == "ok" and not untrusted(r, "tflops_fwd")]
     best = max(fwd, key=lambda x: x[1], default=None)
     rate = (res["roof"].get("tflops") or {}).get("bfloat16")
     share = best[1] / rate if best and rate else None
@@ -173,7 +174,7 @@ def roof_target(ctx: Context, c: list[dict[str, Any]], res: dict[str, Any]) -> N
         lambda v: f"{(0.6 - v) * rate:.1f} TFLOP/s short of 60% ({v:.1%} of the roof)"))
     # Useful TFLOP/s (FA-2's convention: causal counts half the pairs; the math paths compute all of them)
     res["fa2"] = [{"backend": r["backend"], "head_dim": r["head_dim"], "causal": r["causal"], "status": r["status"],
-                   "noisy": r.get("noisy"), **{p: r.get(f"tflops_{p}_useful") for p in ("fwd", "bwd", "fwd_bwd")},
+                   "noisy": noisy_passes(r), **{p: r.get(f"tflops_{p}_useful") for p in ("fwd", "bwd", "fwd_bwd")},
                    "fwd_share": r["tflops_fwd_useful"] / rate if rate and r.get("tflops_fwd_useful") else None}
                   for r in sorted((r for r in c if r["seq_len"] == n),
                                   key=lambda r: (r["head_dim"], r["causal"], -(r.get("tflops_fwd_useful") or 0)))]
@@ -233,7 +234,8 @@ def exponent_targets(ctx: Context, a: list[dict[str, Any]], res: dict[str, Any])
         fits, short = {}, {}
         for backend in sorted({r["backend"] for r in mine}):
             rows = [r for r in mine if r["backend"] == backend]
-            good = {r["seq_len"] for r in rows if r["status"] == "ok" and not r.get("noisy") and r.get("fwd_bwd_ms")}
+            good = {r["seq_len"] for r in rows if r["status"] == "ok" and not untrusted(r, "fwd_bwd_ms")
+                    and r.get("fwd_bwd_ms")}
             missing = [n for n in lengths if n not in good] + ([] if hi in lengths else [hi])
             if missing or len(lengths) < 2:
                 short[backend] = missing
@@ -341,7 +343,8 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
               f"Every full backend at N={ctx.plan.roof_target[0]} (B·N = 16K tokens, H·D = 2048), TFLOP/s of "
               "the useful FLOPs (4·B·H·N²·D forward, causal half of it; backward 2.5× forward):", ""]
     lines += table(["D", "causal", "backend", "status", "fwd", "bwd", "fwd+bwd", "fwd / roof"],
-                   [[r["head_dim"], r["causal"], r["backend"], r["status"] + (" (noisy)" if r["noisy"] else ""),
+                   [[r["head_dim"], r["causal"], r["backend"],
+                     r["status"] + (f" (noisy: {', '.join(r['noisy'])})" if r["noisy"] else ""),
                      r["fwd"], r["bwd"], r["fwd_bwd"], "-" if r["fwd_share"] is None else f"{r['fwd_share']:.1%}"]
                     for r in res["fa2"]])
     lines += ["", "## FA-1 Table 21: full math peak memory (a/full)", "",

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import variants
-from harness.results import FIELDS, fit_exponents, latest, load_rows
+from harness.results import FIELDS, fit_exponents, latest, load_rows, untrusted
 
 from .conftest import ROOT
 
@@ -558,7 +558,8 @@ def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_
     (path,) = [p for p in (bench / "a" / "linear").rglob("results.jsonl") if "variant.backend=sdpa" in str(p)]
     last = [json.loads(x) for x in path.read_text().splitlines() if x.strip()][-1]
     with path.open("a") as f:  # the same point measured again, noisy: the later row is the one read
-        f.write(json.dumps({**last, "noisy": True, "noise_reasons": "fwd: IQR 50% of the median"}) + "\n")
+        f.write(json.dumps({**last, "noisy": True, "noise_reasons": "fwd_bwd: IQR 50% of the median",
+                            "noisy_passes": ["fwd_bwd"]}) + "\n")
     compare = (bench / "d" / "compare.jsonl").read_text().splitlines()
     (sdpa_blocks,) = [x for x in compare if json.loads(x)["name"].startswith("SDPA on")]
     (bench / "d" / "compare.jsonl").write_text("".join(x + "\n" for x in compare if x != sdpa_blocks))
@@ -572,7 +573,8 @@ def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_
     lin = targets["exponent_linear"]
     # What the rows say (others' load can make a tiny point noisy too: then it is listed as well).
     rows = load_rows(bench / "a" / "linear")
-    noisy = {b: sorted(r["seq_len"] for r in rows if r["backend"] == b and r["noisy"]) for b in ("sdpa", "math")}
+    noisy = {b: sorted(r["seq_len"] for r in rows if r["backend"] == b and untrusted(r, "fwd_bwd_ms"))
+             for b in ("sdpa", "math")}
     assert last["seq_len"] in noisy["sdpa"]
     assert f"sdpa: not fitted (N={', '.join(map(str, noisy['sdpa']))} missing, failed or noisy)" in lin["detail"], lin
     if noisy["math"]:

@@ -18,7 +18,7 @@ from harness.report.collect import compare_key
 from harness.report.compare import compare, judge
 from harness.config import MeasureOptions
 from harness.console import Display
-from harness.measure import gpu_repeats, noise_reasons, spare_cores, time_fn
+from harness.measure import gpu_repeats, noise, spare_cores, time_fn
 from harness.results import Result, fit_exponents, read_jsonl
 from harness.run import run
 
@@ -38,8 +38,11 @@ def test_every_timing_has_enough_samples_for_a_spread(tmp_path):
 
 def test_too_few_samples_is_noisy_and_says_why(tmp_path):
     # max_run_time below one block: the point cannot take its samples and says so
-    (r,) = run(compose_cfg(*TINY, "measure.min_samples=1000", "measure.max_run_time=0.01"), output_dir=tmp_path).rows
+    (r,) = run(compose_cfg(*TINY, "measure.min_samples=1000", "measure.max_run_time=0.01",
+                           "measure.passes=[fwd,fwd_bwd]"), output_dir=tmp_path).rows
     assert r.noisy and "samples < measure.min_samples=1000" in r.noise_reasons and "max_run_time=0.01" in r.noise_reasons
+    assert r.noisy_passes == ["fwd", "fwd_bwd"]  # the passes timed, each without its samples
+    assert read_jsonl(tmp_path / "results.jsonl")[-1]["noisy_passes"] == ["fwd", "fwd_bwd"]
 
 
 def test_a_point_noisy_only_for_too_few_samples_is_not_retried(tmp_path):
@@ -147,17 +150,19 @@ def test_cuda_timer_is_do_bench_with_a_spread_for_long_calls():
     assert timing.samples == 5 and timing.iqr_ms is not None and timing.median_ms > 20, timing
 
 
-def test_noise_reasons():
+def test_noise_names_the_pass_each_reason_concerns():
     opts = MeasureOptions(passes=("fwd", "fwd_bwd"))
     quiet = dict(fwd_ms=1.0, fwd_iqr_ms=0.05, fwd_samples=9, fwd_bwd_ms=3.0, fwd_bwd_iqr_ms=0.1, fwd_bwd_samples=9,
                  other_cpu_cores=0.02)
-    assert noise_reasons(quiet, opts) == []
-    assert noise_reasons({**quiet, "fwd_iqr_ms": 0.5}, opts) == [
-        "fwd: IQR 50% of the median > measure.max_rel_iqr=0.15"]
-    assert noise_reasons({**quiet, "fwd_ms": 111.9}, opts)[-1] == \
-        "forward 111.9 ms slower than forward+backward 3 ms"
-    assert noise_reasons({**quiet, "other_cpu_cores": 1.2}, opts) == [
-        "other processes kept 1.20 cores busy > measure.max_other_cores=0.25"]
+    assert noise(quiet, opts) == []
+    assert noise({**quiet, "fwd_iqr_ms": 0.5}, opts) == [
+        ("fwd", "fwd: IQR 50% of the median > measure.max_rel_iqr=0.15")]
+    assert noise({**quiet, "fwd_bwd_samples": 2}, opts) == [
+        ("fwd_bwd", "fwd_bwd: 2 samples < measure.min_samples=5 (one call 0.003 s; measure.max_run_time=60 s)")]
+    assert noise({**quiet, "fwd_ms": 111.9}, opts)[-1] == \
+        (None, "forward 111.9 ms slower than forward+backward 3 ms")
+    assert noise({**quiet, "other_cpu_cores": 1.2}, opts) == [
+        (None, "other processes kept 1.20 cores busy > measure.max_other_cores=0.25")]
 
 
 def test_on_cuda_only_load_beyond_the_spare_cores_is_noise():
@@ -171,12 +176,12 @@ def test_on_cuda_only_load_beyond_the_spare_cores_is_noise():
     assert spare_cores("cuda", launchers=cores + 5) == 0
     opts = MeasureOptions(passes=("fwd_bwd",))
     timed = {"fwd_bwd_ms": 10.0, "fwd_bwd_iqr_ms": 0.1, "fwd_bwd_samples": 9, "other_cpu_cores": 1.03}
-    assert noise_reasons(timed, opts, spare=15) == []
-    assert noise_reasons({**timed, "other_cpu_cores": 15.2}, opts, spare=15) == []
-    assert noise_reasons({**timed, "other_cpu_cores": 15.5}, opts, spare=15) == [
-        "other processes kept 15.50 cores busy, 0.50 beyond the 15 a CUDA measurement leaves them, "
-        "> measure.max_other_cores=0.25"]
-    assert noise_reasons(timed, opts) == ["other processes kept 1.03 cores busy > measure.max_other_cores=0.25"]
+    assert noise(timed, opts, spare=15) == []
+    assert noise({**timed, "other_cpu_cores": 15.2}, opts, spare=15) == []
+    assert noise({**timed, "other_cpu_cores": 15.5}, opts, spare=15) == [
+        (None, "other processes kept 15.50 cores busy, 0.50 beyond the 15 a CUDA measurement leaves them, "
+               "> measure.max_other_cores=0.25")]
+    assert noise(timed, opts) == [(None, "other processes kept 1.03 cores busy > measure.max_other_cores=0.25")]
 
 
 @pytest.fixture
@@ -231,6 +236,84 @@ def test_fits_leave_noisy_points_out_and_say_so():
     assert fit_exponents(rows)["memory"]["seq_lens"] == [256, 512, 1024, 2048]  # memory is not timing
 
 
+SPREAD = "IQR 90% of the median > measure.max_rel_iqr=0.15"
+FEW = "2 samples < measure.min_samples=5 (one call 3 s; measure.max_run_time=60 s)"  # "; " inside one reason
+LOAD = "other processes kept 1.20 cores busy > measure.max_other_cores=0.25"
+
+
+@pytest.mark.parametrize("reasons, passes", [
+    (f"fwd: {SPREAD}", ("fwd",)),
+    (f"bwd: {SPREAD}; fwd: {FEW}", ("fwd", "bwd")),
+    (f"fwd_bwd: {FEW}", ("fwd_bwd",)),
+    (f"fwd: {SPREAD}; try 2 ended oom: CUDA out of memory; fwd_bwd: x", ("fwd",)),  # a retry's failure, said after
+    (f"fwd: {SPREAD}; {LOAD}", ("fwd", "bwd", "fwd_bwd")),  # others' load: every pass
+    ("forward 9 ms slower than forward+backward 3 ms", ("fwd", "bwd", "fwd_bwd")),
+    ("a reason this harness never wrote", ("fwd", "bwd", "fwd_bwd")),
+    (None, ("fwd", "bwd", "fwd_bwd")),
+])
+def test_a_row_from_before_noisy_passes_reads_them_from_its_reasons(reasons, passes):
+    """Rows measured before noisy_passes was recorded: a pass's own reason makes that pass untrusted, any
+    other (or one not recognised) every pass."""
+    from harness.results import noisy_passes
+
+    old = {**point(1024), "noisy": True, "noise_reasons": reasons}
+    assert noisy_passes(old) == passes
+    assert noisy_passes({**old, "noisy_passes": ["bwd"]}) == ("bwd",)  # recorded: as recorded
+    assert noisy_passes({**old, "noisy": False}) == ()
+
+
+def test_every_reason_noise_writes_reads_back_as_the_passes_it_recorded():
+    """The reading of old rows is held to the words harness.measure writes now: each kind of reason, alone
+    and together, read from its text gives the noisy_passes recorded beside it."""
+    from harness.measure import noise, noise_fields
+    from harness.results import noisy_passes
+
+    opts = MeasureOptions(max_run_time=60.0)
+    quiet = {f"{p}_{k}": v for p in ("fwd", "bwd", "fwd_bwd")
+             for k, v in (("ms", 3.0), ("iqr_ms", 0.01), ("samples", 9))}
+    quiet.update(fwd_ms=1.0, other_cpu_cores=0.0)
+    cases = [{"fwd_iqr_ms": 0.9}, {"bwd_samples": 2}, {"fwd_bwd_samples": 1, "fwd_iqr_ms": 0.9}, {"fwd_ms": 9.0},
+             {"other_cpu_cores": 1.2, "bwd_iqr_ms": 2.0}]
+    for case in cases:
+        rec = {**quiet, **case}
+        fields = noise_fields(noise(rec, opts), rec, opts)
+        assert fields["noisy"] and fields["noisy_passes"], case
+        assert noisy_passes({**fields, "noisy_passes": None}) == tuple(fields["noisy_passes"]), (case, fields)
+    rec = {**quiet, "fwd_iqr_ms": 0.9}
+    assert noise_fields(noise(rec, opts), rec, opts)["noisy_passes"] == ["fwd"]
+
+
+def test_a_noisy_pass_leaves_the_points_other_timings_trusted():
+    """A forward's spread makes its forward untrusted, not its forward+backward: the fits, the report's
+    crossover and compare use the passes that are not noisy. Others' load makes every pass untrusted."""
+    from harness.report.compare import pooled
+    from harness.results import untrusted
+
+    rows = [point(256), point(512), point(1024, noisy=True), point(2048)]  # N=1024: the forward's spread
+    rows[2]["fwd_ms"] = 99.0
+    assert [untrusted(rows[2], m) for m in ("fwd_ms", "tflops_fwd", "bwd_ms", "fwd_bwd_ms", "tflops_fwd_bwd_useful",
+                                            "peak_mem_bytes")] == [True, True, False, False, False, False]
+    fits = fit_exponents(rows)
+    assert fits["fwd_ms"]["left_out_noisy"] == [1024] and fits["fwd_ms"]["seq_lens"] == [256, 512, 2048]
+    assert fits["fwd_bwd_ms"]["left_out_noisy"] == [] and fits["fwd_bwd_ms"]["seq_lens"] == [256, 512, 1024, 2048]
+    assert report.trusted(rows[2], "fwd_ms") is None and report.trusted(rows[2], "fwd_bwd_ms") == rows[2]["fwd_bwd_ms"]
+    loaded = {**rows[2], "noise_reasons": LOAD}
+    assert report.trusted(loaded, "fwd_bwd_ms") is None and fit_exponents([*rows[:2], loaded, rows[3]])[
+        "fwd_bwd_ms"]["left_out_noisy"] == [1024]
+    # compare: the forward+backward judged, the forward not
+    a = point(1024, fwd_bwd_ms=10.0, fwd_bwd_iqr_ms=0.1)
+    b = point(1024, noisy=True, fwd_bwd_ms=20.0, fwd_bwd_iqr_ms=0.1)
+    assert judge("fwd_bwd_ms", a, b, 0.1)[1] == "REGRESSION" and judge("fwd_ms", a, b, 0.1)[1] == "noisy"
+    result = compare({compare_key(a): [a]}, {compare_key(b): [b]}, ["fwd_ms", "fwd_bwd_ms"], 0.1)
+    assert result["regressions"] == 1 and result["noisy"] == [f"full/sdpa N=1024: fwd_ms noisy in B (fwd: {SPREAD})"]
+    assert compare({compare_key(a): [a]}, {compare_key(b): [b]}, ["fwd_bwd_ms"], 0.1)["noisy"] == []
+    # pooled runs: a pass is noisy where every run's is; its value is the median of the runs where it is not
+    quiet_fwd = {**point(1024, fwd_ms=2.0), "noisy": True, "noisy_passes": ["bwd"], "noise_reasons": f"bwd: {SPREAD}"}
+    both = pooled([{**b, "fwd_ms": 5.0}, quiet_fwd], ["fwd_ms", "bwd_ms"])
+    assert both["fwd_ms"] == 2.0 and both["noisy_passes"] == [] and not both["noisy"]
+    assert pooled([b, {**b, "noisy_passes": ["fwd", "bwd"]}], ["fwd_ms"])["noisy_passes"] == ["fwd"]
+
+
 def test_the_console_marks_noisy_points_and_fits_at_100_columns():
     buf = io.StringIO()
     console = Console(file=buf, width=100, color_system=None)  # the frame as a 100-column terminal shows it
@@ -280,7 +363,7 @@ def test_a_regression_needs_the_threshold_and_separate_iqr_intervals():
     assert judge("fwd_bwd_ms", a, {**slower_clear, "noisy": True}, 0.1)[1] == "noisy"
     b = {**slower_clear, "noisy": True, "noise_reasons": "others"}
     result = compare({compare_key(a): [a]}, {compare_key(b): [b]}, ["fwd_bwd_ms"], 0.1)  # one run a side
-    assert result["regressions"] == 0 and result["noisy"] == ["full/sdpa N=1024: noisy in B (others)"]
+    assert result["regressions"] == 0 and result["noisy"] == ["full/sdpa N=1024: fwd_bwd_ms noisy in B (others)"]
     # memory has no spread: the threshold alone decides
     assert judge("peak_mem_bytes", a, {**a, "peak_mem_bytes": 2 * a["peak_mem_bytes"]}, 0.1)[1] == "REGRESSION"
 
@@ -365,10 +448,8 @@ def test_a_pass_not_measured_is_not_full_failing_and_seeds_are_separate_series()
 def test_others_load_makes_only_timings_noisy():
     """A point that timed nothing (quality or memory only) is not noisy for others' load: the profiler's
     memory replay and the task do not depend on it."""
-    from harness.measure import noise_reasons
-
     busy = {"other_cpu_cores": 1.5}
-    assert noise_reasons(busy, MeasureOptions(passes=())) == []
+    assert noise(busy, MeasureOptions(passes=())) == []
     timed = {**busy, "fwd_bwd_ms": 10.0, "fwd_bwd_iqr_ms": 0.1, "fwd_bwd_samples": 9}
-    assert noise_reasons(timed, MeasureOptions(passes=("fwd_bwd",))) == [
-        "other processes kept 1.50 cores busy > measure.max_other_cores=0.25"]
+    assert noise(timed, MeasureOptions(passes=("fwd_bwd",))) == [
+        (None, "other processes kept 1.50 cores busy > measure.max_other_cores=0.25")]

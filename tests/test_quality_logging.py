@@ -112,6 +112,8 @@ def test_points_table_equals_the_results_file(offline_run):
         for k, v in row.items():
             if isinstance(v, float):
                 assert got[k] == pytest.approx(v, rel=1e-12), k
+            elif isinstance(v, list):  # as results.csv has it: JSON
+                assert json.loads(got[k]) == v, k
             else:
                 assert got[k] == v, k
 

@@ -20,6 +20,7 @@ FULL = "full"  # the variant every other one is compared with
 CORE_FIELDS = (
     "variant", "backend", "seq_len", "batch_size", "num_heads", "head_dim", "dtype", "device", "causal",
     "seed", "inputs", "fidelity_batch_size", "task", "param_grads", "status", "reason", "noisy", "noise_reasons",
+    "noisy_passes",
     "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_iqr_ms", "bwd_iqr_ms", "fwd_bwd_iqr_ms", "peak_mem_bytes",
     "peak_mem_abs_bytes", "flops_fwd", "flops_fwd_useful", "tflops_fwd", "density", "analytic_mem_bytes",
 )

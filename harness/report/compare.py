@@ -10,7 +10,8 @@ for lower-is-better metrics (times, memory, errors), B/A < 1 - threshold for hig
 (throughput, accuracy, mass kept), or a point ok in A that is not ok in B. For a time (and a throughput,
 by the time it is computed from), the change must also clear the noise: the interquartile intervals of A
 and B (median ± IQR/2) must not overlap, else it is "within noise". A point noisy in A or B (its timings
-cannot be trusted) is not judged on its times: it is listed apart. Exit status: 1 on a regression with
+cannot be trusted) is not judged on the times of its noisy passes (a forward's spread leaves its
+forward+backward judged): it is listed apart. Exit status: 1 on a regression with
 --fail-on-regression, else 0; 2 on bad input.
 
 One run a side measures the noise within a run only; on a shared machine runs of the same code differ by
@@ -27,8 +28,9 @@ import statistics
 import sys
 from typing import Any
 
-from ..config import one_line_errors
-from ..results import SCHEMA, from_timings, latest, machine_name, read_files, warn_mixed_code
+from ..config import PASSES, one_line_errors
+from ..results import (SCHEMA, from_timings, latest, machine_name, noisy_passes, read_files, untrusted,
+                       warn_mixed_code)
 from .collect import InputError, compare_key, environment_fields, number, series_key, series_labels
 
 
@@ -63,26 +65,23 @@ def _interval(runs: list[dict], metric: str) -> tuple[float, float] | None:
     return min(m - iqr / 2 for m, iqr in ends), max(m + iqr / 2 for m, iqr in ends)
 
 
-def trusted(runs: list[dict]) -> list[dict]:
-    """The runs whose timings count: ok and not noisy."""
-    return [r for r in runs if r.get("status") == "ok" and not r.get("noisy")]
-
-
 def pooled(runs: list[dict], metrics: list[str]) -> dict:
     """One row for a point's runs (the same point in several results files of one side): its last run's
-    row, each metric the median over the ok runs (a timing: over those not noisy, noisy only where every
-    ok run is). One run: its row as it is."""
+    row, each metric the median over the ok runs (a timing: over those whose pass is not noisy; the pass
+    noisy only where it is in every ok run). One run: its row as it is."""
     if len(runs) == 1:
         return runs[0]
     row = dict(runs[-1])
-    ok, timed = [r for r in runs if r.get("status") == "ok"], trusted(runs)
+    ok = [r for r in runs if r.get("status") == "ok"]
     for m in metrics:
-        values = [number(r.get(m)) for r in (timed or ok if from_timings(m) else ok)]
+        timed = [r for r in ok if not untrusted(r, m)]
+        values = [number(r.get(m)) for r in (timed or ok)]
         values = [v for v in values if v is not None]
         row[m] = statistics.median(values) if values else None
-    row["noisy"] = bool(ok) and not timed
+    row["noisy_passes"] = [p for p in PASSES if ok and all(p in noisy_passes(r) for r in ok)]
+    row["noisy"] = bool(row["noisy_passes"])
     if row["noisy"]:
-        row["noise_reasons"] = next(r.get("noise_reasons") for r in reversed(ok))
+        row["noise_reasons"] = next(r.get("noise_reasons") for r in reversed(ok) if r.get("noisy"))
     return row
 
 
@@ -118,7 +117,7 @@ def judge(metric: str, ra: dict, rb: dict, threshold: float, runs_a: list[dict] 
         return None, "REGRESSION (from 0)" if (vb < 0) == higher_is_better(metric) else "better (from 0)"
     if ratio is None:
         return ratio, "" if ra.get("status") == rb.get("status") else f"{ra.get('status')} -> {rb.get('status')}"
-    if from_timings(metric) and (ra.get("noisy") or rb.get("noisy")):
+    if untrusted(ra, metric) or untrusted(rb, metric):
         return ratio, "noisy"
     worse = ratio < 1 - threshold if higher_is_better(metric) else ratio > 1 + threshold
     better = ratio > 1 + threshold if higher_is_better(metric) else ratio < 1 - threshold
@@ -157,10 +156,11 @@ def compare(runs_a: dict[tuple, list[dict]], runs_b: dict[tuple, list[dict]], me
             timed_change |= flag in ("REGRESSION", "better") and from_timings(m)
         regressions += any(c.startswith("REGRESSION") for c in row)  # points, not point x metric
         one_run += timed_change and min(len(runs_a[key]), len(runs_b[key])) == 1
-        if ra.get("noisy") or rb.get("noisy"):
-            which = " and ".join(side for side, r in (("A", ra), ("B", rb)) if r.get("noisy"))
-            noisy.append(f"{label(ra)} N={ra['seq_len']}: noisy in {which} "
-                         f"({(ra if ra.get('noisy') else rb).get('noise_reasons')})")
+        unjudged = [m for m in metrics if untrusted(ra, m) or untrusted(rb, m)]  # a pass noisy in A or B
+        if unjudged:
+            sides = [(side, r) for side, r in (("A", ra), ("B", rb)) if any(untrusted(r, m) for m in unjudged)]
+            noisy.append(f"{label(ra)} N={ra['seq_len']}: {', '.join(unjudged)} noisy in "
+                         f"{' and '.join(side for side, _ in sides)} ({sides[0][1].get('noise_reasons')})")
         table.append(row)
 
     def unmatched(mine: dict, other: dict) -> list[str]:
@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         if result[side]:
             print(f"\nonly in {name}:\n  " + "\n  ".join(result[side]))
     if result["noisy"]:
-        print("\nnoisy points, times not judged (rerun them: retry=[noisy]):\n  " + "\n  ".join(result["noisy"]))
+        print("\nnoisy points, the times named not judged (rerun them: retry=[noisy]):\n  "
+              + "\n  ".join(result["noisy"]))
     n = result["regressions"]
     print(f"\n{n} of {len(result['table'])} matched points regressed"
           + (f"; {len(result['noisy'])} noisy, not judged on time" if result["noisy"] else ""))

@@ -12,8 +12,9 @@ Comparisons with full: within one (causal, dtype, device, shape) group, each non
 the *best* full backend at each N (fastest for time, smallest for memory), so a variant is credited
 only for beating the strongest exact baseline measured.
 
-Noisy points (their timings cannot be trusted: harness.measure.noise_reasons) are drawn hollow, left
-out of the fitted exponents and of the crossover, and listed in their own table. ``--fit-from N`` fits the
+Noisy timings (harness.measure.noise: a pass's spread or samples make that pass's timing untrusted, others'
+load every pass's) are drawn hollow, left out of the fitted exponents and of the crossover, and their points
+listed in their own table; the point's other passes count as measured. ``--fit-from N`` fits the
 exponents over N and longer only: on a GPU the short lengths are bound by kernel launches, not by the
 algorithm, and flatten a fit over every length. Time plots carry
 error bars of the interquartile range (median ± IQR/2). Each series keeps one colour in every figure.
@@ -31,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import one_line_errors
-from ..results import REPORT_DIR, SLOW, atomic_write, from_timings, loglog_slope, write_csv
+from ..results import (REPORT_DIR, SLOW, atomic_write, from_timings, loglog_slope, noisy_passes, untrusted,
+                       write_csv)
 from .collect import (FULL, STATUSES, InputError, Series, columns, environment_fields, group_series, load_rows,
                       ok_value, series_labels)
 
@@ -65,9 +67,9 @@ def fit_exponent(ns: list[float], ys: list[float]) -> float | None:
 
 
 def trusted(row: dict[str, Any], metric: str) -> float | None:
-    """The row's ok value of ``metric``, or None where it is missing or a noisy point's timing (or the
+    """The row's ok value of ``metric``, or None where it is missing or a timing whose pass is noisy (or the
     throughput computed from one)."""
-    if from_timings(metric) and row.get("noisy"):
+    if untrusted(row, metric):
         return None
     return ok_value(row, metric)
 
@@ -230,7 +232,7 @@ def scaling_plot(groups: dict[Series, Rows], labels: dict[Series, str], colours:
         ok = [r for r in rows if ok_value(r, metric) is not None]
         slope = series_exponent(rows, metric, fit_from)
         label = labels[s] + (f"  ($\\propto N^{{{slope:.2f}}}$)" if slope is not None else "")
-        pts = [(r["seq_len"], ok_value(r, metric) / scale, bool(r.get("noisy")) and timing) for r in ok]
+        pts = [(r["seq_len"], ok_value(r, metric) / scale, untrusted(r, metric)) for r in ok]
         iqr = metric.removesuffix("_ms") + "_iqr_ms"
         errs = [(r.get(iqr) or 0.0) / 2 / scale for r in ok] if timing else None
         _line(ax, pts, colours[s], label, errs)
@@ -313,21 +315,28 @@ def series_table(groups: dict[Series, Rows], labels: dict[Series, str],
 
 
 def noisy_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
-    body = [[labels[s], r["seq_len"], r.get("tries"), r.get("other_cpu_cores"), r.get("noise_reasons")]
+    body = [[labels[s], r["seq_len"], passes_named(r), r.get("tries"), r.get("other_cpu_cores"), r.get("noise_reasons")]
             for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]) for r in rows if r.get("noisy")]
-    return ["series", "N", "tries", "others' cores", "why its timings cannot be trusted"], body
+    return ["series", "N", "passes not trusted", "tries", "others' cores", "why"], body
+
+
+def passes_named(row: dict[str, Any]) -> str | None:
+    """The row's noisy passes ("fwd, bwd"); None where none."""
+    return ", ".join(noisy_passes(row)) or None
 
 
 POINT_COLUMNS = (("N", "seq_len"), ("status", "status"), ("fwd ms", "fwd_ms"), ("fwd IQR", "fwd_iqr_ms"),
                  ("bwd ms", "bwd_ms"), ("bwd IQR", "bwd_iqr_ms"), ("fwd+bwd ms", "fwd_bwd_ms"),
                  ("fwd+bwd IQR", "fwd_bwd_iqr_ms"), ("peak MiB", "peak_mem_bytes"), ("TFLOP/s fwd", "tflops_fwd"),
                  ("out rel err", "out_rel_err"), ("mass kept", "mass_kept"), ("task acc", "task_accuracy"),
-                 ("others' cores", "other_cpu_cores"), ("noisy", "noisy"))
+                 ("others' cores", "other_cpu_cores"), ("noisy passes", "noisy_passes"))
 
 
 def points_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
     """Every point's numbers, series by series (the report's CSV has every field)."""
     def value(r: dict[str, Any], field: str) -> Any:
+        if field == "noisy_passes":  # a row from before the field: as its reasons say
+            return passes_named(r)
         v = r.get(field)
         return v / MIB if field == "peak_mem_bytes" and v is not None else v
 
@@ -515,7 +524,8 @@ def make_report(sweep: Path, out: Path, fit_from: int = 0) -> tuple[Rows, dict[s
         "seeds": ("MQAR task accuracy over seeds (series that differ only in seed or task.seed)",
                   *seeds_table(groups)),
         "not_ok": ("Points not ok", *failures_table(groups, labels)),
-        "noisy": ("Noisy points (drawn hollow, left out of fits and crossovers)", *noisy_table(groups, labels)),
+        "noisy": ("Noisy points (the timings of the passes named: drawn hollow, left out of fits and crossovers)",
+                  *noisy_table(groups, labels)),
         "points": ("Every point (median and IQR in ms; peak memory over the inputs, MiB)",
                    *points_table(groups, labels)),
     }
