@@ -559,43 +559,60 @@ def read_files(path: str | Path, warn=None) -> list[tuple[Path, list[dict[str, A
 
 
 def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
-    """One row per point under ``path`` (a point measured more than once: its last row, and one notice
-    saying so), for the report and compare tools. Damaged lines are left out (``read_files``). Raises
-    InputError."""
+    """One row per point under ``path``, for the report and compare tools: a point measured again within a
+    results file is its last row there; a point in several results files (runs: a sweep repeated into
+    other directories, bench_cpu's rounds) is its median run (``median_run``), or its last row where the
+    runs are of several machines. Each case is said in one notice. Damaged lines are left out
+    (``read_files``). Raises InputError."""
     warn = warn or _stderr
     rows: list[dict[str, Any]] = []
-    files_of: dict[tuple, list[Path]] = {}  # point -> the files holding a row of it
+    runs_of: dict[tuple, list[dict[str, Any]]] = {}  # point -> its last row in each file holding it
+    files_of: dict[tuple, list[Path]] = {}  # point -> those files
     machines_of: dict[tuple, set[str]] = {}  # point -> the machines its timed rows were measured on
     for file, found in read_files(path, warn):
-        for row in found:
+        for row in latest(found):
             key = point_key(row)
-            files_of.setdefault(key, [])
-            if file not in files_of[key]:
-                files_of[key].append(file)
+            runs_of.setdefault(key, []).append(row)
+            files_of.setdefault(key, []).append(file)
+        for row in found:
             if any(row.get(m) is not None for m in (*TIME_METRICS, "peak_mem_bytes")):
-                machines_of.setdefault(key, set()).add(machine_name(row))
+                machines_of.setdefault(point_key(row), set()).add(machine_name(row))
         rows += found
-    points = latest(rows)
     # A point in two files is two runs of it (jobs that differ only in a setting outside the identity,
-    # e.g. measure.timer; or two machines): not a re-measurement, and not to be hidden as one.
-    mixed = sorted({m for ms in machines_of.values() if len(ms) > 1 for m in ms})
+    # e.g. measure.timer; a sweep run again; or two machines): not a re-measurement, and not to be hidden
+    # as one. Runs of one machine stand for each other; two machines' do not.
+    mixed = {key for key, ms in machines_of.items() if len(ms) > 1}
+    points = [median_run(runs_of[key]) if key not in mixed else runs_of[key][-1]
+              for key in map(point_key, latest(rows))]
     if mixed:  # the point's time and memory belong to the machine of its last row only
-        names = ", ".join(mixed)
-        warn(f"{path}: {sum(len(ms) > 1 for ms in machines_of.values())} point(s) were timed on more than one "
-             f"machine ({names}); each is drawn from its last row, so a series can mix machines. Give the "
-             f"report one machine's results")
+        names = ", ".join(sorted({m for key in mixed for m in machines_of[key]}))
+        warn(f"{path}: {len(mixed)} point(s) were timed on more than one machine ({names}); each is drawn from "
+             f"its last row, so a series can mix machines. Give the report one machine's results")
     warn_mixed_code(path, points, warn)
-    shared = [files for files in files_of.values() if len(files) > 1]
+    shared = [files for key, files in files_of.items() if len(files) > 1 and key not in mixed]
     if shared:
         warn(f"{path}: {len(shared)} point(s) are in more than one results file (e.g. "
-             f"{' and '.join(str(f.parent) for f in shared[0][:2])}: runs that differ only in a setting that "
-             f"is not part of a point, repeated runs, or another machine); each point's row from the file read "
-             f"last is used. Give the report one of them to choose (harness.report.compare pools repeated runs)")
-    again = len(rows) - len(points) - sum(len(files) - 1 for files in shared)
+             f"{' and '.join(str(f.parent) for f in shared[0][:2])}: repeated runs, or runs that differ only in "
+             f"a setting that is not part of a point); each is drawn from its median run by forward+backward "
+             f"time (harness.report.compare pools them)")
+    again = len(rows) - sum(len(runs) for runs in runs_of.values())
     if again > 0:
         warn(f"{path}: {again} row(s) are earlier measurements of a point measured again; the last measurement "
              f"of each point is used")
     return points
+
+
+def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run that stands for a point measured in several (its rows in several results files, or
+    bench_cpu's rounds): the ok run with the median forward+backward time (the lower of the middle two)
+    among those whose forward+backward is not noisy, among every ok one where each is; the last run
+    where none is ok with that time. A whole row, so that its times, spreads, memory and environment are
+    one measurement's."""
+    ok = [r for r in runs if r.get("status") == "ok" and r.get("fwd_bwd_ms") is not None]
+    if not ok:
+        return runs[-1]
+    calm = [r for r in ok if not untrusted(r, "fwd_bwd_ms")] or ok
+    return sorted(calm, key=lambda r: r["fwd_bwd_ms"])[(len(calm) - 1) // 2]
 
 
 def warn_mixed_code(path: str | Path, rows: list[dict[str, Any]], warn=None) -> None:

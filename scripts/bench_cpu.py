@@ -6,8 +6,9 @@
 
 Workload: B=1, H=4, D=64, float32, non-causal, each variant at its defaults (full both on the math path
 and on SDPA). Each point is measured in --rounds rounds (separate processes, minutes apart) and the
-median round kept. Writes <out>/<name>/results.{jsonl,csv}, env.json, fit.json per variant (its later
-rounds in <out>/<name>/round-<r>/), and the combined <out>/results.csv (the kept rows), <out>/fit.json and
+median round kept (harness.results.median_run: among the rounds whose forward+backward is not noisy).
+Writes <out>/<name>/results.{jsonl,csv}, env.json, fit.json per variant (its later rounds in
+<out>/<name>/round-<r>/), and the combined <out>/results.csv (the kept rows), <out>/fit.json and
 <out>/SUMMARY.md (tables, fitted exponents, targets, the rounds' spread). The combined files hold every
 variant <out> has rows of from this machine, those --only left out included; SUMMARY.md names those
 measured on another machine.
@@ -33,7 +34,8 @@ import torch  # noqa: E402
 
 from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg, wait_through_ctrl_c  # noqa: E402
 from harness.env import OtherLoad, cpu_name, mem_available_bytes  # noqa: E402
-from harness.results import Result, fit_exponents, latest, machine, read_jsonl, write_csv, write_json  # noqa: E402
+from harness.results import (Result, fit_exponents, latest, machine, median_run, read_jsonl, write_csv,  # noqa: E402
+                             write_json)
 
 CONFIGS = {  # name -> overrides of conf/config.yaml
     "full_math": ["variant=full", "variant.backend=math"],
@@ -71,8 +73,9 @@ def main() -> None:
                          "N=16384 needs three 4 GiB N×N matrices)")
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--max-other-cores", type=positive_arg(float, zero=True), default=0.25,
-                    help="a measurement during which other processes kept more cores than this busy is kept "
-                         "only where no quieter round of the point exists")
+                    help="other processes' load (cores) that makes a round's timings noisy (the harness's "
+                         "measure.max_other_cores) and that a run waits to fall below before it starts; a round "
+                         "whose forward+backward is noisy is kept only where no round of the point is not")
     ap.add_argument("--rounds", type=positive_arg(int), default=3,
                     help="measurements of each point (in separate processes, minutes apart); the median is kept")
     ap.add_argument("--round-max-s", type=positive_arg(float), default=60.0,
@@ -92,7 +95,8 @@ def main() -> None:
     if budget is None:
         budget = 0.8 * (mem_available_bytes() or 16e9) / 1e9
     common = [*WORKLOAD, f"seq_lens=[{','.join(map(str, args.seq_lens))}]",
-              f"measure.min_run_time={args.min_run_time}", f"memory_budget_gb={budget:.6g}"]  # a small budget stays > 0
+              f"measure.min_run_time={args.min_run_time}", f"measure.max_other_cores={args.max_other_cores}",
+              f"memory_budget_gb={budget:.6g}"]  # a small budget stays > 0
     rows, spreads, fits = {}, {}, {}
     started = time.perf_counter()
     # This machine is shared, and some of its slow periods are invisible from inside (other_cpu_cores stays
@@ -114,7 +118,8 @@ def main() -> None:
     for name in names:
         vdir = args.out / name
         found = candidates(vdir)
-        rows[name] = [median(found[n], args.max_other_cores) for n in args.seq_lens if n in found]
+        rows[name] = [Result.from_record(median_run([r.record() for r in found[n]])) for n in args.seq_lens
+                      if n in found]
         spreads[name] = {n: spread(found[n]) for n in args.seq_lens if n in found}
         fits[name] = {"all": fit_exponents(rows[name]), "2k_16k": fit_exponents(rows[name], 2048, 16384),
                       "seq_lens": args.seq_lens}
@@ -202,16 +207,6 @@ def candidates(vdir: Path, rounds: bool = True) -> dict[int, list[Result]]:
         if machine(rec) == here:
             found.setdefault(rec["seq_len"], []).append(Result.from_record(rec))
     return found
-
-
-def median(rs: list[Result], max_other_cores: float) -> Result:
-    """The point's kept measurement: the median round by forward+backward time (the lower of the middle
-    two), among the undisturbed rounds where there are any."""
-    ok = [r for r in rs if r.status == "ok" and r.fwd_bwd_ms is not None]
-    if not ok:
-        return rs[0]
-    quiet = [r for r in ok if (r.other_cpu_cores or 0.0) <= max_other_cores] or ok
-    return sorted(quiet, key=lambda r: r.fwd_bwd_ms)[(len(quiet) - 1) // 2]
 
 
 def spread(rs: list[Result]) -> tuple[int, float | None]:
@@ -305,8 +300,10 @@ def summarize(rows, spreads, fits, env, args, budget, elapsed, elsewhere) -> str
     for name in rows:
         out.append(f"| {name} | " + " | ".join(cell_spread(spreads[name].get(n)) for n in ns) + " |")
     out += ["", "## Disturbance", "",
-            "Cores kept busy by other processes (or stolen by the hypervisor) while each kept point ran; a "
-            f"round above {args.max_other_cores} is kept only where no quieter round of its point exists.",
+            "Cores kept busy by other processes (or stolen by the hypervisor) while each kept point ran. The "
+            "kept round is the median among those whose forward+backward is not flagged noisy (its spread, "
+            f"or other processes above {args.max_other_cores} cores), among all where every round is "
+            "(harness.results.median_run, as the report's).",
             "", head.rstrip("\n")]
     for name, rs in rows.items():
         b = by_n(rs)

@@ -46,7 +46,8 @@ def sweep_rows() -> list[list[dict]]:
                     out_rel_err=0.01 * n / w, mass_kept=0.9) for n in NS] for w in (64, 128)]
     lin = [row("linear", "math", n, fwd=0.2 + 1e-4 * n, mem=100 * n, opt_proj_dim=64, task_accuracy=0.5)
            if n <= 4096 else row("linear", "math", n, "skipped", opt_proj_dim=64) for n in NS]
-    # A later job re-measured one point: the report keeps this copy.
+    # A later job measured one point again: two runs of it, drawn from the median run (the lower of two:
+    # the first job's, on the line).
     rerun = [row("full", "math", 256, fwd=0.07, mem=4 * 256 * 256)]
     return [full_math, full_sdpa, *windows, lin, rerun]
 
@@ -101,16 +102,16 @@ def test_report_html_names_every_variant_and_series(made):
 def test_report_csv_equals_input_rows(made):
     _, out = made
     expected = {}
-    for job in sweep_rows():  # the last copy of a point wins
+    for job in sweep_rows():  # one row per point; full/math at 256 has two runs: the faster is the median
         for r in job:
-            expected[point_key(r)] = r
+            expected.setdefault(point_key(r), r)
     got = load_rows(out / "results.csv")
     assert len(got) == len(expected)
     for r in got:
         want = expected[point_key(r)]
         for k in set(want) | set(r):
             assert r.get(k) == want.get(k), (point_key(r), k)
-    assert expected[point_key(row("full", "math", 256))]["fwd_ms"] == 0.07
+    assert expected[point_key(row("full", "math", 256))]["fwd_ms"] == 1e-6 * 256 * 256
 
 
 def test_fitted_exponent_recovers_known_slope(made):
@@ -121,8 +122,7 @@ def test_fitted_exponent_recovers_known_slope(made):
     # On the sweep: OOM rows of full/math are left out of the fit.
     groups = collect.group_series(load_rows(made[0]))
     by_label = {lab: groups[s] for s, lab in series_labels(groups).items()}
-    fm = [r for r in by_label["full/math"] if r["seq_len"] != 256]  # 256 was re-measured off the line
-    assert report.series_exponent(fm, "fwd_ms") == pytest.approx(2.0, abs=1e-9)
+    assert report.series_exponent(by_label["full/math"], "fwd_ms") == pytest.approx(2.0, abs=1e-9)
     assert report.series_exponent(by_label["sliding_window[window=64]/blocksparse"], "peak_mem_bytes") \
         == pytest.approx(1.0, abs=1e-9)
 
@@ -158,19 +158,34 @@ def test_a_series_measured_by_two_code_versions_is_said(tmp_path):
                     f"with one"], said
 
 
-def test_a_point_in_two_files_is_said_apart_from_one_measured_again(tmp_path):
-    """Two job directories with the same point (jobs differing only in measure.timer, or two machines)
-    are two runs of it, not a re-measurement: the notice names the files."""
-    write_sweep(tmp_path, [[row("full", "sdpa", 64, fwd=1.0), row("full", "sdpa", 64, fwd=2.0)],
-                           [row("full", "sdpa", 64, fwd=3.0, device_name="Other CPU")]])
+def test_a_point_in_several_files_is_its_median_run_and_said_apart_from_one_measured_again(tmp_path):
+    """Job directories with the same point (a sweep run again, bench_cpu's rounds, jobs differing only in
+    measure.timer) are runs of it, not re-measurements: drawn from the median run by forward+backward time
+    among those whose forward+backward is not noisy, a whole row; the notice names the files. Runs of two
+    machines do not stand for each other: the last row, and a notice saying so."""
+    noisy = dict(noisy=True, noise_reasons="fwd_bwd: IQR 50% of the median > measure.max_rel_iqr=0.15")
+    runs = [[row("full", "sdpa", 64, fwd=9.0), row("full", "sdpa", 64, fwd=1.0)],  # measured again: 1.0 is its run
+            [row("full", "sdpa", 64, fwd=2.0, fwd_iqr_ms=0.02)], [row("full", "sdpa", 64, fwd=3.0)],
+            [row("full", "sdpa", 64, fwd=1.5, **noisy)]]  # the median of four, but its forward+backward is noisy
     said = []
-    (point,) = load_rows(tmp_path, warn=said.append)
+    (point,) = load_rows(write_sweep(tmp_path / "one", runs), warn=said.append)
+    assert (point["fwd_ms"], point["fwd_iqr_ms"]) == (2.0, 0.02)  # the median of 1, 2, 3: one run's row
+    assert len(said) == 2, said
+    assert "1 point(s) are in more than one results file" in said[0] and "median run" in said[0]
+    assert f"{tmp_path / 'one' / '0'} and {tmp_path / 'one' / '1'}" in said[0]
+    assert "1 row(s) are earlier measurements of a point measured again" in said[1]
+    # every run noisy: the median of them all
+    (point,) = load_rows(write_sweep(tmp_path / "all", [[{**r, **noisy} for r in job] for job in runs]), warn=[].append)
+    assert point["fwd_ms"] == 1.5
+    # two machines
+    write_sweep(tmp_path / "two", [[row("full", "sdpa", 64, fwd=1.0), row("full", "sdpa", 64, fwd=2.0)],
+                                   [row("full", "sdpa", 64, fwd=3.0, device_name="Other CPU")]])
+    said = []
+    (point,) = load_rows(tmp_path / "two", warn=said.append)
     assert point["fwd_ms"] == 3.0  # the file read last
-    assert len(said) == 3, said
+    assert len(said) == 2, said
     assert "1 point(s) were timed on more than one machine (Other CPU, Synthetic CPU)" in said[0]
-    assert "1 point(s) are in more than one results file" in said[1]
-    assert f"{tmp_path / '0'} and {tmp_path / '1'}" in said[1]
-    assert "1 row(s) are earlier measurements of a point measured again" in said[2]
+    assert "1 row(s) are earlier measurements of a point measured again" in said[1]
 
 
 def write_csv_sweep(root: Path, rows: list[dict]) -> Path:

@@ -2,8 +2,9 @@
 
     python -m harness.report SWEEP_DIR [--out DIR] [--fit-from N] [--wandb]
 
-Collects every results.jsonl under SWEEP_DIR (duplicates of a point: the last wins; a report's own
-output is never read as input) and writes to ``--out`` (default SWEEP_DIR/report): results.csv, one
+Collects every results.jsonl under SWEEP_DIR (a point measured again: its last row; a point in several
+files, i.e. several runs: its median run, harness.results.load_rows; a report's own output is never read
+as input) and writes to ``--out`` (default SWEEP_DIR/report): results.csv, one
 PNG per plot, report.html (PNGs embedded, so it opens anywhere). With ``--wandb`` the plots and tables
 also go to a wandb run in group = the sweep dir's name (mode: WANDB_MODE, else online with credentials,
 offline without).
