@@ -72,7 +72,7 @@ def main() -> None:
                     help="skip points above this analytic memory (default: 0.8 x MemAvailable: full math at "
                          "N=16384 needs three 4 GiB N×N matrices)")
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    ap.add_argument("--max-other-cores", type=positive_arg(float, zero=True), default=0.25,
+    ap.add_argument("--max-other-cores", type=positive_arg(float), default=0.25,  # > 0, as the harness's
                     help="other processes' load (cores) that makes a round's timings noisy (the harness's "
                          "measure.max_other_cores) and that a run waits to fall below before it starts; a round "
                          "whose forward+backward is noisy is kept only where no round of the point is not")

@@ -104,7 +104,7 @@ def refusal(tmp_path, *args: str) -> str:
 @pytest.mark.parametrize("option, value, allowed", [
     ("--seq-lens", "-5", "an integer > 0"), ("--min-run-time", "nan", "a finite number > 0"),
     ("--memory-budget-gb", "-1", "a finite number > 0"), ("--rounds", "0", "an integer > 0"),
-    ("--wait-s", "-1", "a finite number >= 0")])
+    ("--wait-s", "-1", "a finite number >= 0"), ("--max-other-cores", "0", "a finite number > 0")])
 def test_a_bad_number_is_one_line_before_anything_runs(tmp_path, option, value, allowed):
     """These were passed to the harness, whose one-line refusal came with bench_cpu's traceback."""
     assert refusal(tmp_path, option, value) == \
