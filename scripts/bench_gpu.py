@@ -139,6 +139,9 @@ class Context:
         self.state = json.loads((out / "state.json").read_text()) if (out / "state.json").exists() else {}
         self.lost = False  # this process lost its CUDA context (d:public): its kernels stop
         self._steps: list[Step] | None = None
+        # Reading an earlier run's results (--summary-only, --pending): each label's backends as the
+        # measuring machine had them (env.json), not as this one's installation has them
+        self.recorded: dict[str, list[str]] = {}
 
     def left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
@@ -178,6 +181,8 @@ class Context:
         return variants.build(variant, **options)
 
     def backends(self, label: str) -> list[str]:
+        if label in self.recorded:
+            return list(self.recorded[label])
         return self.build(label).available_backends(self.device)
 
     def compared_backends(self, label: str) -> list[str]:
@@ -391,6 +396,7 @@ def precompile(ctx: Context, steps: list[Step]) -> None:
 
 def record_invocation(ctx: Context, steps: list[str]) -> None:
     """env.json: one entry per invocation (machine, versions, clocks, date, steps)."""
+    import variants
     from harness import env as envmod
     from variants.xformers_backend import unavailable_reason
 
@@ -398,6 +404,7 @@ def record_invocation(ctx: Context, steps: list[str]) -> None:
     unavailable = {"xformers": unavailable_reason(ctx.device)} if ctx.device.type == "cuda" else {}
     entries.append({"date": now(), "steps": ",".join(steps), "device": ctx.device.type, "python": platform.python_version(),
                     "unavailable_backends": {b: r for b, r in unavailable.items() if r is not None},
+                    "backends": {label: ctx.backends(label) for label, variant, _ in VARIANTS if variant in variants.REGISTRY},
                     **envmod.collect(ctx.device).as_dict(),
                     "nvidia_smi": envmod.nvidia_smi("name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,"
                                                     "clocks.max.mem,power.limit,temperature.gpu,memory.total",
@@ -453,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.monotonic() - start:4.0f} s] {message}", flush=True)
     ctx = Context(SMOKE_PLAN if args.smoke else GPU_PLAN, out, device, args.budget_s, log, chosen)
+    if reader and invocations(out):
+        ctx.recorded = invocations(out)[-1].get("backends", {})  # none in an env.json older than the field
     if args.pending:
         print(" ".join(s for s in steps if not ctx.done(s)))
         return 0

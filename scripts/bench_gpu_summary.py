@@ -189,14 +189,17 @@ def compare_targets(ctx: Context, res: dict[str, Any]) -> None:
     for label in (label for label in COMPARED if label in ctx.labels):
         rows = [{"label": label, "kind": "ours", "name": f"ours {r['backend']}", "status": r["status"],
                  "fwd_bwd_ms": r["fwd_bwd_ms"], "first_call_s": r["warmup_s"], "block_mask_s": r.get("setup_s"),
-                 "reason": r["reason"] or r.get("noise_reasons")} for r in rows_of(ctx.out / "d" / label)]
+                 "reason": r["reason"] or r.get("noise_reasons"), "noisy": untrusted(r, "fwd_bwd_ms")}
+                for r in rows_of(ctx.out / "d" / label)]
         rows += [r for r in compare if r["label"] == label]
         res["compare_rows"] += rows
         # Judged once each of the pattern's backends has its row (ok or not) and each public kernel is done,
-        # not on the first ones timed
+        # not on the first ones timed; a row of ours whose forward+backward is noisy is not judged (the
+        # one rule of harness.results: fits and compare leave it out too)
         waiting = not_yet([f"ours {b}" for b in ctx.compared_backends(label)] + ctx.public_names(label),
                           done | {r["name"] for r in rows})
-        ok = [r for r in rows if r["status"] == "ok" and r["fwd_bwd_ms"]]
+        noisy = [r["name"] for r in rows if r["status"] == "ok" and r.get("noisy")]
+        ok = [r for r in rows if r["status"] == "ok" and r["fwd_bwd_ms"] and not r.get("noisy")]
         ours = min((r for r in ok if r["kind"] == "ours"), key=lambda r: r["fwd_bwd_ms"], default=None)
         pub = min((r for r in ok if r["kind"] == "public"), key=lambda r: r["fwd_bwd_ms"], default=None)
         ratio = pub["fwd_bwd_ms"] / ours["fwd_bwd_ms"] if ours and pub else None
@@ -214,8 +217,9 @@ def compare_targets(ctx: Context, res: dict[str, Any]) -> None:
             f"compare_{label}", f"{label}: best backend >= 0.9x the speed of the best public kernel (one run)",
             None if waiting else ratio, lambda v: v >= 0.9,
             f"{fmt(ours and ours['name'])} vs {fmt(pub and pub['name'])}: {fmt(ratio)}; our own kernel "
-            f"({fmt(own and own['name'])}): {fmt(own_ratio)}" + (f"; {waiting}" if waiting else ""),
-            ctx.skips_cuda and ratio is None and not waiting,
+            f"({fmt(own and own['name'])}): {fmt(own_ratio)}" + (f"; {waiting}" if waiting else "")
+            + (f"; left out, forward+backward noisy: {', '.join(noisy)}" if noisy else ""),
+            ctx.skips_cuda and ratio is None and not waiting and not noisy,
             lambda v: f"ours takes {1 / v:.2f}x the public kernel's time"))
 
 
