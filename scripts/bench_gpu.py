@@ -133,15 +133,15 @@ class Context:
     bench_gpu_summary too (they read no other module's definitions of the job)."""
 
     def __init__(self, plan: Plan, out: Path, device: torch.device, budget_s: float | None, log,
-                 labels: list[str]) -> None:
+                 labels: list[str], recorded: dict[str, list[str]] | None = None) -> None:
         self.plan, self.out, self.device, self.log, self.labels = plan, out, device, log, labels
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
         self.state = json.loads((out / "state.json").read_text()) if (out / "state.json").exists() else {}
         self.lost = False  # this process lost its CUDA context (d:public): its kernels stop
         self._steps: list[Step] | None = None
         # Reading an earlier run's results (--summary-only, --pending): each label's backends as the
-        # measuring machine had them (env.json), not as this one's installation has them
-        self.recorded: dict[str, list[str]] = {}
+        # measuring machine had them (measured_on), not as this one's installation has them
+        self.recorded = recorded or {}
 
     def left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
@@ -412,10 +412,11 @@ def record_invocation(ctx: Context, steps: list[str]) -> None:
     write_json(ctx.out / "env.json", entries)
 
 
-def measured_on(out: Path, default: torch.device) -> torch.device:
-    """The device type the last invocation into ``out`` measured on (env.json), else ``default``."""
-    envs = invocations(out)
-    return torch.device(envs[-1]["device"]) if envs and "device" in envs[-1] else default
+def measured_on(out: Path, default: torch.device) -> tuple[torch.device, dict[str, list[str]]]:
+    """The device type the last invocation into ``out`` measured on, else ``default``, and each label's
+    backends there (env.json; none in an entry older than the field)."""
+    last = (invocations(out) or [{}])[-1]
+    return torch.device(last["device"]) if "device" in last else default, last.get("backends", {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,17 +452,16 @@ def main(argv: list[str] | None = None) -> int:
     if reader and not out.is_dir():  # made here, it would hold a summary of nothing
         ap.error(f"{reader} reads the results directory of an earlier run (--out DIR); {out} does not exist")
     out.mkdir(parents=True, exist_ok=True)
+    recorded = None
     if reader:  # judged as on the machine that measured: a GPU's results stay a GPU's elsewhere
-        device = measured_on(out, device)
+        device, recorded = measured_on(out, device)
     elif not args.child and (why := other_device(out, device_name(device))):
         ap.error(why)
     start = time.monotonic()  # every line says when, so a job's log shows where a budget went
 
     def log(message: str) -> None:
         print(f"[{time.monotonic() - start:4.0f} s] {message}", flush=True)
-    ctx = Context(SMOKE_PLAN if args.smoke else GPU_PLAN, out, device, args.budget_s, log, chosen)
-    if reader and invocations(out):
-        ctx.recorded = invocations(out)[-1].get("backends", {})  # none in an env.json older than the field
+    ctx = Context(SMOKE_PLAN if args.smoke else GPU_PLAN, out, device, args.budget_s, log, chosen, recorded)
     if args.pending:
         print(" ".join(s for s in steps if not ctx.done(s)))
         return 0

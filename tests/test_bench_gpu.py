@@ -347,9 +347,9 @@ def test_a_summary_is_judged_as_on_the_machine_that_measured(tmp_path):
     error, which part d tries once more (d_done)."""
     bench, kernels, summary = load_bench()
     cpu = torch.device("cpu")
-    assert bench.measured_on(tmp_path, cpu) == cpu  # nothing recorded: this machine
+    assert bench.measured_on(tmp_path, cpu) == (cpu, {})  # nothing recorded: this machine
     (tmp_path / "env.json").write_text(json.dumps([{"device": "cpu"}, {"device": "cuda"}]))
-    assert bench.measured_on(tmp_path, cpu) == torch.device("cuda")
+    assert bench.measured_on(tmp_path, cpu) == (torch.device("cuda"), {})
     # ... and with each label's backends as env.json recorded them there (none recorded: this machine's)
     (tmp_path / "env.json").write_text(json.dumps([{"date": "d1", "steps": "a", "device": "cuda", "backends": {"full": ["b", "a"]}},
                                                    {"date": "d2", "steps": "c", "device": "cuda",
@@ -359,8 +359,9 @@ def test_a_summary_is_judged_as_on_the_machine_that_measured(tmp_path):
     assert proc.returncode == 0, proc.stderr
     roof = {t["target"]: t for t in json.loads((tmp_path / "summary.json").read_text())["targets"]}["full_roof"]
     assert (roof["status"], roof["detail"]) == ("not measured", "not yet measured: sdpa_flash, flex"), roof
-    ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cuda"), None, print, ["full", "linear"])
-    ctx.recorded = {"full": ["sdpa_flash", "flex"]}
+    ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cuda"), None, print, ["full", "linear"],
+                        bench.measured_on(tmp_path, cpu)[1])
+    assert ctx.backends("full") == ["sdpa_flash", "flex"]  # the last entry's
     assert ctx.backends("linear") == variants.build("linear").available_backends("cuda")
     rows = [{"label": "x", "name": "a", "status": "error"}, {"label": "x", "name": "b", "status": "error"},
             {"label": "x", "name": "b", "status": "error"}, {"label": "x", "name": "c", "status": "skipped"}]
