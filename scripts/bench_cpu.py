@@ -30,10 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-
+# No torch here (harness.env imports it): the command line is checked, and the process re-executed with
+# ALLOCATOR_ENV, before torch's import (seconds) is paid, and paid once.
 from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg, wait_through_ctrl_c  # noqa: E402
-from harness.env import OtherLoad, cpu_name, mem_available_bytes  # noqa: E402
 from harness.results import (Result, fit_exponents, latest, machine, median_run, read_jsonl, write_csv,  # noqa: E402
                              write_json)
 
@@ -90,6 +89,8 @@ def main() -> None:
     args = ap.parse_args()
     if not args.glibc_default and any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
+
+    from harness.env import mem_available_bytes
 
     budget = args.memory_budget_gb
     if budget is None:
@@ -176,6 +177,8 @@ def run_harness(overrides: list[str], output_dir: Path) -> None:
 
 def wait_for_quiet(max_other_cores: float, timeout_s: float = 120.0) -> None:
     """Waits (up to timeout_s) until other processes use at most max_other_cores over one second."""
+    from harness.env import OtherLoad
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         load = OtherLoad()
@@ -201,6 +204,10 @@ def stored(vdir: Path, rounds: bool = True) -> list[dict]:
 
 def candidates(vdir: Path, rounds: bool = True) -> dict[int, list[Result]]:
     """Every measurement of each N in a variant's directory taken on this machine (CPU model and threads)."""
+    import torch
+
+    from harness.env import cpu_name
+
     here = (cpu_name(), torch.get_num_threads())
     found: dict[int, list[Result]] = {}
     for rec in stored(vdir, rounds):
