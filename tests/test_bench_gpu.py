@@ -215,8 +215,8 @@ def test_bad_input_is_one_line_and_makes_nothing(tmp_path, args, message, capsys
     for name, path in paths.items():
         message = message.replace(name, str(path))
     assert (exit_.value.code, out) == (2, "")
-    assert err.endswith(f": error: {message}; see --help\n") and err.count("\n") == 1, err  # argparse names
-    # the program after pytest's sys.argv[0] here
+    # argparse names the program after pytest's sys.argv[0] in this process
+    assert err.endswith(f": error: {message}; see --help\n") and err.count("\n") == 1, err
     assert [p.name for p in tmp_path.iterdir()] == ["file"] and paths["FILE"].read_text() == "kept"
 
 
