@@ -13,7 +13,8 @@ What the store guarantees (docs/reliability.md lists the faults tried):
 - Every line is validated against one schema when read (``row_problem``). A line that fails (cut by a
   kill, joined with the next, garbage, a row without ``status`` or with a string ``seq_len``) is moved
   verbatim to ``results.jsonl.damaged-<time>`` with one warning naming its line numbers, and its point
-  is measured again; a whole row found inside a damaged line (a cut line joined to the next) is kept.
+  is measured again; every whole row found inside a damaged line (a cut line joined to the next, two
+  rows whose newline was lost) is kept.
 - ``resume=false`` moves results.jsonl aside (``results.jsonl.replaced-<time>``, with ``-2``, ``-3``...
   where a move in the same second took that name), never deleting it and never renaming over a file.
 - One writer per output directory: an exclusive lock (``harness.lock``) held for the whole run; a second
@@ -246,24 +247,32 @@ def row_problem(row: Any) -> str | None:
             return f"{name}={v!r} is not {' or '.join(t.__name__ for t in types)}"
         if isinstance(v, float) and not math.isfinite(v):
             return f"{name} is not finite"
-    # Any other field (an option, a task setting): NaN and infinities are not JSON, and a row is rewritten
-    # as JSON when damaged lines are moved aside
-    odd = [k for k, v in row.items() if k not in SCHEMA and isinstance(v, float) and not math.isfinite(v)]
-    if odd:
-        return f"{odd[0]} is not finite"
-    # A lone surrogate (JSON's "\udcff" escape) is no text: results.csv and the console could not take it
-    odd = [k for k, v in row.items() if isinstance(v, str) and SURROGATE.search(v)]
-    if odd:
-        return f"{odd[0]} holds a lone surrogate (not UTF-8 text)"
-    # An integer past int64 (JSON has no limit) overflows a float, numpy and wandb: no measurement is one
-    odd = [k for k, v in row.items() if isinstance(v, int) and not -INT64_MAX - 1 <= v <= INT64_MAX]
-    if odd:
-        return f"{odd[0]} is past a 64-bit integer"
+    for k, v in row.items():  # every field, and what a list or an object in it holds
+        if problem := _unwritable(k):
+            return f"a field's name {ascii(k)} {problem}"  # ascii: the message itself must be writable
+        if problem := _unwritable(v):
+            return f"{k} {problem}"
     if row["status"] not in STATUSES:
         return f"status {row['status']!r} is not one of {', '.join(STATUSES)}"
     if row["seq_len"] <= 0:
         return f"seq_len={row['seq_len']} is not > 0"
     return None
+
+
+def _unwritable(v: Any) -> str | None:
+    """Why a value (a field's name, or its value, searched through lists and objects) cannot be kept, or
+    None. A row is written again as JSON when damaged lines are moved aside and as results.csv after
+    every point: NaN and infinities are not JSON; a lone surrogate (JSON's "\\udcff" escape) is no text,
+    which neither the csv nor the console can take; an integer past int64 (JSON has no limit) overflows
+    a float, numpy and wandb, and no measurement is one."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "is not finite"
+    if isinstance(v, str) and SURROGATE.search(v):
+        return "holds a lone surrogate (not UTF-8 text)"
+    if isinstance(v, int) and not isinstance(v, bool) and not -INT64_MAX - 1 <= v <= INT64_MAX:
+        return "is past a 64-bit integer"
+    inner = [*v.keys(), *v.values()] if isinstance(v, dict) else v if isinstance(v, list) else []
+    return next((p for p in map(_unwritable, inner) if p), None)
 
 
 def _hashable(v: Any) -> Any:
@@ -362,14 +371,15 @@ class Contents:
 
     rows: list[dict[str, Any]]
     damaged: list[Damaged]
-    recovered: list[int]  # line numbers whose damaged line held a whole row, kept in ``rows``
+    recovered: list[int]  # the line number of each whole row found inside a damaged line, kept in ``rows``
 
     def warning(self, path: Path) -> str | None:
         if not self.damaged:
             return None
         lines = ", ".join(f"{d.lineno} ({d.problem})" for d in self.damaged[:8])
         more = f" and {len(self.damaged) - 8} more" if len(self.damaged) > 8 else ""
-        kept = f"; a whole row inside line(s) {', '.join(map(str, self.recovered))} kept" if self.recovered else ""
+        n, where = len(self.recovered), ", ".join(map(str, dict.fromkeys(self.recovered)))
+        kept = f"; {'a whole row' if n == 1 else f'{n} whole rows'} inside line(s) {where} kept" if n else ""
         return f"{path}: damaged line(s) {lines}{more}{kept}"
 
 
@@ -394,26 +404,28 @@ def parse_jsonl(text: str, check: Callable[[Any], str | None] | None = None) -> 
             rows.append(row)
             continue
         damaged.append(Damaged(lineno, line, problem))
-        inner = _row_inside(line, check)
-        if inner is not None:
-            rows.append(inner)
-            recovered.append(lineno)
+        inner = _rows_inside(line, check)
+        rows += inner
+        recovered += [lineno] * len(inner)
     return Contents(rows, damaged, recovered)
 
 
-def _row_inside(line: str, check: Callable[[Any], str | None]) -> dict[str, Any] | None:
-    """A whole valid row that a damaged line ends with: a line cut mid-write and then joined with the
-    next row (the next append started without a newline) still holds that next row."""
-    for start in (m.start() for m in re.finditer(r"\{", line) if m.start() > 0):
-        if UNDECODABLE.search(line, start):
+def _rows_inside(line: str, check: Callable[[Any], str | None]) -> list[dict[str, Any]]:
+    """The whole valid rows inside a damaged line, in order: a line cut mid-write and then joined with the
+    next row (the next append started without a newline) still holds that next row; two rows whose
+    newline was lost hold both."""
+    rows, end, decoder = [], 0, json.JSONDecoder()
+    for start in (m.start() for m in re.finditer(r"\{", line)):
+        if start < end:  # inside a row kept
             continue
         try:
-            row = json.loads(line[start:])
-        except json.JSONDecodeError:
+            row, stop = decoder.raw_decode(line, start)
+        except (ValueError, RecursionError):
             continue
-        if check(row) is None:
-            return row
-    return None
+        if not UNDECODABLE.search(line, start, stop) and check(row) is None:
+            rows.append(row)
+            end = stop
+    return rows
 
 
 def read_text(path: str | Path) -> str:
@@ -478,7 +490,12 @@ def parse_csv(text: str) -> Contents:
         start, end = end + 1, reader.line_num
         row = {k: _parse_cell(k, v) for k, v in raw.items() if k is not None}
         verbatim = "\n".join(lines[start - 1:end]).rstrip("\r")
-        problem = "not UTF-8" if UNDECODABLE.search(verbatim) else row_problem(row)
+        # DictReader fills the cells a row lacks with None, and gathers the cells past the header under the
+        # key None: a row cut short would read as one with empty cells, a row joined to the next as the first
+        cells = sum(v is not None for k, v in raw.items() if k is not None) + len(raw.get(None, []))
+        problem = ("not UTF-8" if UNDECODABLE.search(verbatim) else
+                   f"{cells} cells, the header has {len(reader.fieldnames or ())}"
+                   if None in raw or None in raw.values() else row_problem(row))
         if problem is None:
             rows.append(row)
         else:
@@ -910,8 +927,8 @@ class ResultStore:
                 f.flush()
                 os.fsync(f.fileno())
             atomic_write(self.jsonl, "".join(json.dumps(r, allow_nan=False) + "\n" for r in contents.rows))
-            self.warn(f"{contents.warning(self.jsonl)}: moved to {aside.name}; their points will be measured "
-                      f"again")
+            self.warn(f"{contents.warning(self.jsonl)}: moved to {aside.name}; a point that no row kept holds "
+                      f"is measured again")
         elif text and not text.endswith("\n"):  # a last line ended by its closing brace, then killed
             with open(self.jsonl, "a") as f:
                 f.write("\n")

@@ -170,8 +170,9 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
             store = ResultStore(out_dir, resume=settings.resume, sweep=sweep_dir())
         except LockedError as e:
             raise DirectoryInUse(str(e)) from None
-        except OSError as e:
-            raise ConfigError(f"cannot write to the output directory {out_dir}: {e.strerror or e}") from None
+        except OSError as e:  # named down to the file (a read-only results.jsonl in a writable directory)
+            file = f" ({Path(e.filename).name})" if e.filename and Path(e.filename) != Path(out_dir) else ""
+            raise ConfigError(f"cannot write to the output directory {out_dir}{file}: {e.strerror or e}") from None
         with store:
             return _run(cfg, team.settings if team else settings, attn, device, store, team)
 

@@ -256,20 +256,29 @@ def test_damaged_lines_are_moved_aside_said_and_their_points_measured_again(tmp_
         json.dumps(text_len),  # 6: a string seq_len must not make its point measured twice
         "[1, 2, 3]",  # 7: valid JSON, not an object
         json.dumps({**r56, "opt_extra": float("nan")}),  # 8: NaN (not JSON) in a field outside the schema
+        # 9, 10: NaN inside a list field, a lone surrogate in a field's name: rewriting the file and results.csv
+        # failed on them (a traceback on every rerun, the damaged lines never moved out)
+        json.dumps({**r56, "peak_mem_per_rank_bytes": [float("nan")]}),
+        json.dumps({**r56, "extra_\udcff": 1}),
+        json.dumps(r40) + json.dumps(r48),  # 11: two whole rows, their newline lost: both kept
     ]
     (out / "results.jsonl").write_text("\n".join(["", *damaged]) + "\n")  # line 1 empty
     proc = cli("seq_lens=[32,40,48,56]", f"hydra.run.dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     warning = [line for line in proc.stderr.splitlines() if "damaged line(s)" in line]
     assert len(warning) == 1, proc.stderr
-    for n in (2, 3, 4, 5, 6, 7, 8):
+    for n in (2, 3, 4, 5, 6, 7, 8, 9):  # the first eight named, the rest counted
         assert f" {n} (" in warning[0], (n, warning[0])
-    assert "a whole row inside line(s) 3 kept" in warning[0]
+    assert " and 2 more; 3 whole rows inside line(s) 3, 11 kept" in warning[0]
+    problems = {d.lineno: d.problem for d in parse_jsonl("\n".join(["", *damaged])).damaged}
+    assert sorted(problems) == list(range(2, 12))
+    assert problems[9] == "peak_mem_per_rank_bytes is not finite"
+    assert problems[10] == "a field's name 'extra_\\udcff' holds a lone surrogate (not UTF-8 text)"
     (aside,) = out.glob("results.jsonl.damaged-*")
     assert lines_of(aside) == damaged  # moved verbatim, never deleted
     rows = read_jsonl(out / "results.jsonl")
     assert sorted(r["seq_len"] for r in rows) == [32, 40, 48, 56]  # each point once
-    assert rows[0] == r32  # the row found inside the joined line is kept, not measured again
+    assert rows[:3] == [r32, r40, r48]  # the rows found inside joined lines are kept, not measured again
     assert parse_jsonl((out / "results.jsonl").read_text()).damaged == []
     status = json.loads((out / "status.json").read_text())
     assert status["points_done"] == 4 and status["state"] == "completed"
@@ -456,6 +465,18 @@ def test_an_impossible_output_directory_is_one_line_exit_2(tmp_path):
         assert proc.returncode == 2
         line = error_line(proc.stderr)
         assert "cannot write results to" in line and words in line, line
+
+
+def test_a_results_file_that_cannot_be_written_is_named_in_the_one_line(tmp_path):
+    """A writable directory whose results.jsonl cannot be opened (here a directory of that name; a
+    read-only file for a user who is not root): the line names the file, not the directory alone."""
+    from harness.config import ConfigError
+
+    (tmp_path / "D" / "results.jsonl").mkdir(parents=True)
+    with pytest.raises(ConfigError) as err:
+        run(compose_cfg(*TINY, "seq_lens=[32]"), output_dir=tmp_path / "D")
+    assert str(err.value) == f"cannot write to the output directory {tmp_path / 'D'} (results.jsonl): Is a directory"
+    assert sorted(p.name for p in (tmp_path / "D").iterdir()) == ["harness.lock", "results.jsonl"]
 
 
 @pytest.fixture

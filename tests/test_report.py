@@ -217,6 +217,20 @@ def test_csv_text_fields_stay_text_and_a_row_left_out_is_said(tmp_path):
     assert "4 (seq_len='abc' is not int)" in said[0] and "5 (batch_size=1.5 is not int)" in said[0], said
 
 
+def test_a_csv_row_with_cells_missing_or_past_the_header_is_a_damaged_line(tmp_path):
+    """A row cut after its status cell read as a valid row (the reader fills the cells it lacks with null)
+    and showed as a series of its own; a row joined to the next lost the cells past the header."""
+    write_csv_sweep(tmp_path, [row("full", "sdpa", n, fwd=1.0) for n in (64, 128, 256)])
+    header, r64, r128, r256, _ = (tmp_path / "results.csv").read_bytes().decode().split("\r\n")
+    cut = r128[:r128.index(",ok,") + 3]  # every field a row needs is before the cut
+    (tmp_path / "results.csv").write_text("\r\n".join([header, r64, cut, r256 + "," + r64, ""]))
+    said = []
+    assert [r["seq_len"] for r in load_rows(tmp_path, warn=said.append)] == [64]
+    cells = len(header.split(","))
+    assert said == [f"{tmp_path / 'results.csv'}: damaged line(s) 3 ({cut.count(',') + 1} cells, the header has "
+                    f"{cells}), 4 ({2 * cells} cells, the header has {cells}): 2 line(s) left out"]
+
+
 def test_a_line_that_is_not_utf8_is_left_out_and_the_rest_reported(tmp_path):
     """One line of bytes that are not UTF-8 (a disk error, a bad copy) costs that line, said, not the sweep."""
     write_sweep(tmp_path, [[row("full", "sdpa", 64, fwd=1.0), row("full", "sdpa", 128, fwd=4.0)]])
@@ -424,7 +438,7 @@ def ab(tmp_path):
         rows = [dict(r, device=device) for r in base]  # another device: still matched
         for i, factor in changes.items():
             rows[i]["fwd_bwd_ms"] *= factor
-        return write_sweep(tmp_path / name, [rows + [row("linear", "math", 256, fwd=1.0, mem=1)]])
+        return write_sweep(tmp_path / name, [rows + [row("linear", "math", 256, fwd=1.0, mem=1, device=device)]])
 
     return a, candidate("regressed", {1: 1.30, 5: 1.05}), candidate("within", {1: 1.05, 2: 0.8})
 
@@ -475,7 +489,7 @@ def test_compare_refuses_a_side_with_a_point_on_two_devices(tmp_path):
                                      [row("full", "sdpa", 256, fwd=0.5, mem=1, device="cuda")]])
     b = write_sweep(tmp_path / "b", [[row("full", "sdpa", 256, fwd=10.2, mem=1)]])
     res = cli("harness.report.compare", a, b)
-    _one_line_error(res, "A holds the same points on several devices (cpu, cuda)", "allowed: one device per side")
+    _one_line_error(res, "A holds points of several devices (cpu, cuda)", "allowed: one device per side")
 
 
 def test_compare_pools_repeated_runs_and_judges_a_time_against_their_spread(tmp_path, capsys):
@@ -518,8 +532,19 @@ def test_compare_pools_repeated_runs_and_judges_a_time_against_their_spread(tmp_
     runs("i", [10.0])
     write_sweep(tmp_path / "i" / "other", [[row("full", "sdpa", 512, fwd=3.0, mem=1, device_name="Another CPU")]])
     assert compare([str(tmp_path / "i"), str(tmp_path / "b")]) == 2
-    assert capsys.readouterr().err == ("compare: error: A holds the same points on several machines (Another CPU, "
+    assert capsys.readouterr().err == ("compare: error: A holds points of several machines (Another CPU, "
                                        "Synthetic CPU); allowed: one machine per side (runs of one machine)\n")
+    # Nor is a side whose points come from two machines (a run resumed on another machine measures
+    # again only the points it runs; its other rows stay the first machine's): the rows of its file that
+    # the other machine's superseded do not count
+    rows_k = [row("full", "sdpa", n, fwd=3.0, mem=1) for n in (512, 1024)]
+    write_sweep(tmp_path / "k", [[*rows_k, {**rows_k[0], "device_name": "Another CPU"}]])
+    assert compare([str(tmp_path / "b"), str(tmp_path / "k")]) == 2
+    assert capsys.readouterr().err == ("compare: error: B holds points of several machines (Another CPU, Synthetic "
+                                       "CPU); allowed: one machine per side (runs of one machine)\n")
+    write_sweep(tmp_path / "l", [[{**rows_k[0], "device_name": "Another CPU"}, *rows_k]])
+    assert compare([str(tmp_path / "b"), str(tmp_path / "l")]) == 0
+    capsys.readouterr()
     # Runs of two code versions are pooled, and said
     for i, code in enumerate(("aaaaaaaaaaaa", "bbbbbbbbbbbb")):
         write_sweep(tmp_path / "j" / f"run{i}", [[row("full", "sdpa", 512, fwd=3.0, mem=1, code_version=code)]])

@@ -2,17 +2,17 @@
 
     python -m harness.report.compare A B [--threshold 0.10] [--fail-on-regression] [--metric fwd_bwd_ms,peak_mem_bytes]
 
-A and B are run/sweep directories or results .jsonl/.csv files. Points match on their identity
-(variant, backend, options, seq_len, shape, dtype, causal, seed, inputs, fidelity batch, task), not on the
-device, so a CPU run can be set against a GPU run (the devices are printed; a side holding a point on two
-devices is refused). For each matched point and metric: A, B and B/A. A regression is B/A > 1 + threshold
-for lower-is-better metrics (times, memory, errors), B/A < 1 - threshold for higher-is-better ones
-(throughput, accuracy, mass kept), or a point ok in A that is not ok in B. For a time (and a throughput,
-by the time it is computed from), the change must also clear the noise: the interquartile intervals of A
-and B (median ± IQR/2) must not overlap, else it is "within noise". A point noisy in A or B (its timings
-cannot be trusted) is not judged on the times of its noisy passes (a forward's spread leaves its
-forward+backward judged): it is listed apart. Exit status: 1 on a regression with
---fail-on-regression, else 0; 2 on bad input.
+A and B are run/sweep directories or results .jsonl/.csv files. Points match on their identity (variant,
+backend, options, seq_len, shape, dtype, causal, seed, inputs, fidelity batch, task), not on the device,
+so a CPU run can be set against a GPU run (the devices are printed; a side whose points are of two
+devices, or were timed on two machines, is refused). For each matched point and metric: A, B and B/A. A
+regression is B/A > 1 + threshold for lower-is-better metrics (times, memory, errors), B/A < 1 - threshold
+for higher-is-better ones (throughput, accuracy, mass kept), or a point ok in A that is not ok in B. For a
+time (and a throughput, by the time it is computed from), the change must also clear the noise: the
+interquartile intervals of A and B (median ± IQR/2) must not overlap, else it is "within noise". A point
+noisy in A or B (its timings cannot be trusted) is not judged on the times of its noisy passes (a
+forward's spread leaves its forward+backward judged): it is listed apart. Exit status: 1 on a regression
+with --fail-on-regression, else 0; 2 on bad input.
 
 One run a side measures the noise within a run only; on a shared machine runs of the same code differ by
 more. A side may hold several runs of its points (the same sweep run again into other directories under
@@ -29,8 +29,8 @@ import sys
 from typing import Any
 
 from ..config import PASSES, one_line_errors
-from ..results import (SCHEMA, from_timings, latest, machine_name, noisy_passes, read_files, untrusted,
-                       warn_mixed_code)
+from ..results import (SCHEMA, TIME_METRICS, from_timings, latest, machine_name, noisy_passes, read_files,
+                       untrusted, warn_mixed_code)
 from .collect import InputError, compare_key, environment_fields, number, series_key, series_labels
 
 
@@ -215,12 +215,17 @@ def main(argv: list[str] | None = None) -> int:
                              f"got {args.threshold}")
         runs_a, runs_b = runs_by_point(args.a), runs_by_point(args.b)
         rows_a, rows_b = ([r for runs in side.values() for r in runs] for side in (runs_a, runs_b))
-        for side, runs in (("A", runs_a), ("B", runs_b)):  # points match across devices: one per side
-            for what, of in (("devices", lambda r: str(r.get("device"))), ("machines", machine_name)):
-                several = sorted({of(r) for rs in runs.values() if len({of(r) for r in rs}) > 1 for r in rs})
-                if several:  # which row to match, or which runs to pool, is not knowable
-                    raise InputError(f"{side} holds the same points on several {what} ({', '.join(several)}); "
-                                     f"allowed: one {what[:-1]} per side (runs of one {what[:-1]})")
+        for side, rows in (("A", rows_a), ("B", rows_b)):  # points match across devices: one per side
+            # Which row of a point to match, or which runs to pool, is not knowable; and a side whose points
+            # were timed on two machines (a resumed run measures again only the points it runs) is no
+            # baseline or candidate: its times would compare machines, not code
+            timed = [r for r in rows if any(number(r.get(m)) is not None for m in (*TIME_METRICS, "peak_mem_bytes"))]
+            for what, of, among in (("devices", lambda r: str(r.get("device")), rows),
+                                    ("machines", machine_name, timed)):
+                several = sorted({of(r) for r in among})
+                if len(several) > 1:
+                    raise InputError(f"{side} holds points of several {what} ({', '.join(several)}); allowed: one "
+                                     f"{what[:-1]} per side (runs of one {what[:-1]})")
         unknown = [m for m in metrics if not any(m in r for r in [*rows_a, *rows_b])]
         if unknown:
             raise InputError(f"--metric: {', '.join(unknown)} in neither A nor B; allowed: a numeric field of the "
