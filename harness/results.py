@@ -225,6 +225,10 @@ def _schema() -> dict[str, tuple[tuple[type, ...], bool]]:
 
 
 SCHEMA = _schema()
+# A time, a spread, a count or a size below zero is no measurement (a negative spread broke the report's
+# error bars), and a time of zero none either (it would pass for the fastest)
+NON_NEGATIVE = tuple(k for k in SCHEMA if k.endswith(("_ms", "_samples")) or "bytes" in k or "flops" in k or k == "tries")
+POSITIVE = tuple(k for k in NON_NEGATIVE if k.endswith("_ms") and not k.endswith("_iqr_ms"))
 
 
 SURROGATE = re.compile("[\ud800-\udfff]")
@@ -247,6 +251,11 @@ def row_problem(row: Any) -> str | None:
             return f"{name}={v!r} is not {' or '.join(t.__name__ for t in types)}"
         if isinstance(v, float) and not math.isfinite(v):
             return f"{name} is not finite"
+    for name in NON_NEGATIVE:  # the types are checked above; a list's items are numbers or null
+        values = row.get(name) if isinstance(row.get(name), list) else [row.get(name)]
+        low = [x for x in values if isinstance(x, (int, float)) and (x <= 0 if name in POSITIVE else x < 0)]
+        if low:
+            return f"{name}={low[0]!r} is {'not > 0' if name in POSITIVE else 'negative'}"
     for k, v in row.items():  # every field, and what a list or an object in it holds
         if problem := _unwritable(k):
             return f"a field's name {ascii(k)} {problem}"  # ascii: the message itself must be writable

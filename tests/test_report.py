@@ -591,6 +591,19 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     assert not (good / "report").exists()
 
 
+@pytest.mark.parametrize("field, value, problem", [
+    ("fwd_iqr_ms", -0.1, "fwd_iqr_ms=-0.1 is negative"),  # the error bars' matplotlib refused it: a traceback
+    ("fwd_ms", 0.0, "fwd_ms=0.0 is not > 0"),  # counted as the fastest in the crossover
+    ("peak_mem_bytes", -1, "peak_mem_bytes=-1 is negative")])
+def test_a_negative_time_spread_or_size_is_a_damaged_line(tmp_path, capsys, field, value, problem):
+    """No measurement gives one (a hand-edited or foreign row): left out and said, the rest reported."""
+    sweep = write_sweep(tmp_path / "s", [[row("full", "sdpa", 128, fwd=1.0, mem=1),
+                                          {**row("full", "sdpa", 256, fwd=4.0, mem=1), field: value}]])
+    assert report.main([str(sweep)]) == 0
+    assert f"damaged line(s) 2 ({problem})" in capsys.readouterr().err
+    assert [r["seq_len"] for r in load_rows(sweep / "report" / "results.csv")] == [128]
+
+
 def test_a_row_with_an_integer_past_int64_is_a_damaged_line_not_a_crash(tmp_path):
     """JSON has no integer limit; one past int64 overflowed a float in the report after it had written its
     results.csv (a hand-made or foreign line: the harness never writes one)."""

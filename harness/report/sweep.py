@@ -492,7 +492,6 @@ def make_report(sweep: Path, out: Path, fit_from: int = 0) -> tuple[Rows, dict[s
     labels = series_labels(groups)
     colours = series_colours(labels)
     rows = [r for s in sorted(groups, key=labels.get) for r in groups[s]]  # readable order in the CSV
-    write_csv(out / "results.csv", rows, columns(rows))
 
     def has(metric: str, variants: str = "any") -> bool:  # any ok value to draw (of a non-full series)?
         return any(ok_value(r, metric) is not None for r in rows if variants == "any" or r["variant"] != FULL)
@@ -531,6 +530,8 @@ def make_report(sweep: Path, out: Path, fit_from: int = 0) -> tuple[Rows, dict[s
                    *points_table(groups, labels)),
     }
     write_html(out / "report.html", sweep, rows, tables, images)
+    # Last: a report that failed on the way leaves no results.csv, which would make its --out refused
+    write_csv(out / "results.csv", rows, columns(rows))
     return rows, tables, images
 
 
