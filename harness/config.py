@@ -186,10 +186,7 @@ def _seq_lens(cfg: Mapping[str, Any]) -> tuple[int, ...]:
 def _measure(cfg: Mapping[str, Any] | None) -> MeasureOptions:
     cfg = _options("measure", cfg, MEASURE_KEYS)
     m = dataclasses.replace(MeasureOptions(), **cfg)
-    passes = [m.passes] if isinstance(m.passes, str) else list(m.passes or [])
-    bad = [p for p in passes if p not in PASSES]
-    if bad:  # [] times nothing: a quality-only sweep (with measure.memory=false)
-        raise ConfigError(f"measure.passes must be a list of {', '.join(PASSES)} (or []); got {m.passes!r}")
+    passes = _names("measure.passes", m.passes, PASSES)  # [] times nothing: a quality-only sweep
     if not _is_int(m.warmup_iters) or m.warmup_iters < 1:
         raise ConfigError(f"measure.warmup_iters must be an integer >= 1 (compilation and autotuning must stay "
                           f"out of the memory measurement); got {m.warmup_iters!r}")
@@ -335,12 +332,17 @@ def _distributed(cfg: Mapping[str, Any] | None) -> float:
     return _positive_number("distributed.timeout_s", cfg.get("timeout_s", 120), "number of seconds", MAX_SECONDS)
 
 
+def _names(name: str, x: Any, allowed: tuple[str, ...]) -> list[str]:
+    """A list of some of ``allowed`` (one alone may be given bare; null: none), or the one line saying what
+    is allowed: a number or a flag is no list (5 was a traceback, 0 and false an empty list)."""
+    values = [] if x is None else [x] if isinstance(x, str) else list(x) if isinstance(x, (list, tuple)) else None
+    if values is None or any(v not in allowed for v in values):
+        raise ConfigError(f"{name} must be a list of {', '.join(allowed)} (or []); got {x!r}")
+    return values
+
+
 def _retry(x: Any) -> tuple[str, ...]:
-    values = [x] if isinstance(x, str) else list(x or [])
-    bad = [v for v in values if v not in RETRYABLE]
-    if bad:
-        raise ConfigError(f"retry must be a list of {', '.join(RETRYABLE)} (or []); got {x!r}")
-    return tuple(dict.fromkeys(values))
+    return tuple(dict.fromkeys(_names("retry", x, RETRYABLE)))
 
 
 def one_of(name: str, x: Any, allowed: tuple[str, ...]) -> str:

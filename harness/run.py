@@ -21,7 +21,7 @@ from variants import VariantError
 
 from . import distributed
 from . import env as envmod
-from .config import DEFAULT_BUDGET_SHARE, ConfigError, Settings, one_line, settings_from_config
+from .config import DEFAULT_BUDGET_SHARE, INT64_MAX, ConfigError, Settings, one_line, settings_from_config
 from .console import Display
 from .logger import sweep_group_name, wandb_run
 from .measure import measure_point, noise, noise_fields, retry_helps, spare_cores, timer_name
@@ -416,7 +416,12 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
                    analytic_mem_bytes=attn.memory_bytes(B, H, N, D, element_size, s.causal, device))
         # q, k, v and the output gradient are allocated too; the analytic figure counts only the extra.
         needed = rec["analytic_mem_bytes"] + 4 * B * H * N * D * element_size
-        if stop is not None:
+        # Sizes each within int64 whose product is not (a row could not hold it): no machine runs them
+        huge = {k: rec[k] for k in ("flops_fwd", "flops_fwd_useful", "analytic_mem_bytes") if (rec[k] or 0) > INT64_MAX}
+        if huge:
+            rec.update(dict.fromkeys(huge), status="skipped", reason=", ".join(f"{k} {v:.3g}" for k, v in huge.items())
+                       + " past a 64-bit integer: no machine runs this point")
+        elif stop is not None:
             rec.update(status="skipped", reason=stop)
         elif budget is not None and needed > budget:
             rec.update(status="skipped",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from variants.base import require
+from variants.base import require, whole
 from variants.blocksparse import MaskedAttention
 from variants.masks import num_blocks
 
@@ -42,7 +42,7 @@ class BandOptions:
     def __post_init__(self):
         for name in ("behind", "ahead"):
             value = getattr(self, name)
-            require(isinstance(value, int) and value >= 0, f"band: {name} must be an integer >= 0; got {value!r}")
+            require(whole(value, 0), f"band: {name} must be an integer >= 0; got {value!r}")
 
 
 class Band(MaskedAttention):

@@ -572,6 +572,17 @@ def test_a_results_file_replaced_during_a_run_still_gets_the_later_points(tmp_pa
 
 # ----- retry and smaller things ------------------------------------------------------------------
 
+def test_a_point_whose_flops_or_memory_pass_int64_is_skipped_not_a_crash(tmp_path):
+    """Sizes each within int64 (the config's bound) whose FLOPs are not: the row could not be stored, and the
+    run ended with a traceback, the points before it measured and the rest not."""
+    sweep = run(compose_cfg(*TINY, "seq_lens=[2147483648,32]"), output_dir=tmp_path / "D")
+    assert [(r.seq_len, r.status) for r in sweep.rows] == [(32, "ok"), (2147483648, "skipped")]
+    flops = 4 * 2**31 * 2**31 * 8  # 4·B·H·N²·D
+    assert sweep.rows[1].reason == (f"flops_fwd {flops:.3g}, flops_fwd_useful {flops:.3g} past a 64-bit integer: no "
+                                    f"machine runs this point")
+    assert [r["seq_len"] for r in read_jsonl(tmp_path / "D" / "results.jsonl")] == [32, 2147483648]
+
+
 def test_retry_measures_stored_failures_again_and_the_new_row_supersedes(tmp_path):
     out = tmp_path / "D"
     run(compose_cfg(*TINY, "seq_lens=[32]", "memory_budget_gb=0.000001"), output_dir=out)
@@ -594,7 +605,10 @@ def test_bad_measurement_and_budget_options_are_one_line_exit_2(tmp_path):
              (["retry=[failed]"], ["retry", "error, oom, skipped, nonfinite, noisy"]),
              (["measure.on_noise=ignore"], ["on_noise", "flag, retry"]),
              (["measure.min_samples=1"], ["min_samples", ">= 2"]),
-             (["measure.max_call_s=-1"], ["measure.max_call_s", "> 0", "or null"])]
+             (["measure.max_call_s=-1"], ["measure.max_call_s", "> 0", "or null"]),
+             # a number or a flag where a list goes: a traceback (5), or read as no pass at all (0, false)
+             (["measure.passes=5"], ["measure.passes must be a list of fwd, bwd, fwd_bwd", "got 5"]),
+             (["retry=false"], ["retry must be a list of", "got False"])]
     for i, (args, words) in enumerate(cases):
         proc = cli("seq_lens=[32]", *args, f"hydra.run.dir={tmp_path / str(i)}")
         assert proc.returncode == 2, args

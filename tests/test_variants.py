@@ -339,6 +339,13 @@ def test_facts_default_in_the_base_class():
     with pytest.raises(VariantError, match=r"^ulysses: num_heads=4 is not divisible by world_size=3; allowed: "
                                            r"num_heads a multiple of 3$"):
         variants.build("ulysses", world_size=3).check_workload(4)
+    # Per-head parameters for another number of heads than the workload's: every point failed, refused now
+    for name, options in (("linear", {"share": "none", "num_heads": 3}), ("adaptive_span", {"num_heads": 3}),
+                          ("ulysses", {"world_size": 3, "inner": "adaptive_span", "inner_options": {"num_heads": 3}})):
+        variants.build(name, **options).check_workload(3)
+        with pytest.raises(VariantError, match=r"num_heads=3 \(its per-head parameters\) but the workload has 2 "
+                                               r"heads; allowed: 2, or null$"):
+            variants.build(name, **options).check_workload(2)
 
 
 def test_causal_rule_is_j_at_most_i_for_elements_blocks_and_counts():
@@ -575,6 +582,12 @@ def test_efficient_paths_build_no_dense_mask(monkeypatch):
     ("linear", {"seed": -5}, "linear: seed must be an integer from 0 to 2**63-1"),
     ("reformer", {"seed": 2**64}, "reformer: seed must be an integer from 0 to 2**63-1"),
     ("sparse", {"pattern": "bigbird", "seed": True}, "sparse: seed must be an integer from 0 to 2**63-1"),
+    # a bool is no count (window=true ran as a window of 1), and a count past int64 no row could hold
+    ("sliding_window", {"window": True}, "window must be an integer >= 0; got True"),
+    ("blockwise", {"block_size": True}, "block_size must be an integer > 0; got True"),
+    ("reformer", {"bucket_size": True}, "bucket_size must be an integer > 0; got True"),
+    ("linear", {"proj_dim": True}, "proj_dim must be an integer > 0; got True"),
+    ("sliding_window", {"window": 2**63}, f"window must be an integer >= 0; got {2**63}"),
 ])
 def test_bad_options(name, options, expect):
     with pytest.raises(VariantError, match=re.escape(expect)) as err:

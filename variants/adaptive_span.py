@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import flex
-from .base import Attention, Flops, require, resolved
+from .base import Attention, Flops, require, resolved, whole
 from .blocksparse import tile_elements
 from .masks import Predicate, causal_allowed, dense_mask
 
@@ -49,13 +49,13 @@ class AdaptiveSpanOptions:
     def __post_init__(self) -> None:
         for name, minimum in (("max_span", 0), ("ramp", 1)):
             value = getattr(self, name)
-            require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+            require(whole(value, minimum),
                     f"adaptive_span: {name} must be an integer >= {minimum}; got {value!r}")
         init = self.init_span
         require(init is None or (isinstance(init, (int, float)) and not isinstance(init, bool)
                                  and 0 <= init <= self.max_span),
                 f"adaptive_span: init_span must be a number in [0, max_span={self.max_span}] or null; got {init!r}")
-        require(self.num_heads is None or (isinstance(self.num_heads, int) and self.num_heads > 0),
+        require(self.num_heads is None or whole(self.num_heads, 1),
                 f"adaptive_span: num_heads must be an integer > 0 or null (one shared span); got {self.num_heads!r}")
 
 

@@ -33,9 +33,15 @@ def require(condition: bool, message: str) -> None:
 SEED_MAX = 2**63 - 1  # a seed is an int64, as the harness's own (harness.config, which imports no torch)
 
 
+def whole(value: Any, minimum: int) -> bool:
+    """Whether an option is an integer from ``minimum`` to 2**63-1: a bool is none (true passed for 1, and
+    a window of true ran), and one past int64 could not be stored in its point's row."""
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= SEED_MAX
+
+
 def seed_error(name: str, value: Any) -> str | None:
     """The one line refusing ``value`` as the seed ``name``, or None where it is one (0 … 2**63-1)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= SEED_MAX:
+    if whole(value, 0):
         return None
     return f"{name} must be an integer from 0 to 2**63-1 ({SEED_MAX}); got {value!r}"
 
@@ -135,7 +141,12 @@ class Attention(nn.Module):
 
     def check_workload(self, num_heads: int) -> None:
         """Raises VariantError (one line naming the allowed values) when the variant, as configured,
-        cannot run ``num_heads`` heads (ulysses: a multiple of its world size). Nothing by default."""
+        cannot run ``num_heads`` heads: one whose ``num_heads`` option sizes its per-head parameters
+        (linear share=none's E_h, F_h; adaptive_span's z_h) needs the workload's (else every point failed
+        as an error); ulysses a multiple of its world size."""
+        own = getattr(self.options, "num_heads", None)
+        require(own is None or own == num_heads, f"{self.name}: num_heads={own} (its per-head parameters) but the "
+                                                 f"workload has {num_heads} heads; allowed: {num_heads}, or null")
 
     @property
     def is_exact(self) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import require
+from .base import require, whole
 from .blocksparse import MaskedAttention
 from .masks import Predicate, causal_pairs, local_layout, num_blocks
 
@@ -33,7 +33,7 @@ class BlockwiseOptions:
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, f"blockwise: unknown mode {self.mode!r}; allowed: {', '.join(MODES)}")
-        require(isinstance(self.block_size, int) and self.block_size > 0,
+        require(whole(self.block_size, 1),
                 f"blockwise: block_size must be an integer > 0; got {self.block_size!r}")
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Attention, Flops, dense_attention, require, require_seed
+from .base import Attention, Flops, dense_attention, require, require_seed, whole
 
 SHARING = ("headwise", "kv", "none")
 
@@ -32,9 +32,9 @@ class LinearOptions:
     def __post_init__(self) -> None:
         for name in ("proj_dim", "max_seq_len"):
             value = getattr(self, name)
-            require(isinstance(value, int) and value > 0, f"linear: {name} must be an integer > 0; got {value!r}")
+            require(whole(value, 1), f"linear: {name} must be an integer > 0; got {value!r}")
         require(self.share in SHARING, f"linear: unknown share {self.share!r}; allowed: {', '.join(SHARING)}")
-        require(self.share != "none" or (isinstance(self.num_heads, int) and self.num_heads > 0),
+        require(self.share != "none" or whole(self.num_heads, 1),
                 f"linear: share=none needs num_heads (an integer > 0, one E_h and F_h per head); "
                 f"got {self.num_heads!r}")
         require_seed("linear: seed", self.seed)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from .base import Attention, Flops, dense_attention, require, require_seed
+from .base import Attention, Flops, dense_attention, require, require_seed, whole
 from .blocksparse import CUDA_TILE_ELEMENTS
 from .masks import causal_allowed
 
@@ -49,9 +49,8 @@ class ReformerOptions:
     def __post_init__(self) -> None:
         for name in ("bucket_size", "n_hashes"):
             value = getattr(self, name)
-            require(isinstance(value, int) and value > 0, f"reformer: {name} must be an integer > 0; got {value!r}")
-        require(self.n_buckets is None or (isinstance(self.n_buckets, int) and self.n_buckets >= 2
-                                           and self.n_buckets % 2 == 0),
+            require(whole(value, 1), f"reformer: {name} must be an integer > 0; got {value!r}")
+        require(self.n_buckets is None or (whole(self.n_buckets, 2) and self.n_buckets % 2 == 0),
                 f"reformer: n_buckets must be an even integer >= 2, or null for 2·⌈N/bucket_size⌉; "
                 f"got {self.n_buckets!r}")
         require_seed("reformer: seed", self.seed)

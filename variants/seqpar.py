@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import Attention, require
+from .base import Attention, require, whole
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -86,7 +86,7 @@ class SequenceParallel(Attention):
             options["inner_options"] = {str(k): v for k, v in inner_options.items()}
         super().__init__(**options)
         o = self.options
-        require(isinstance(o.world_size, int) and not isinstance(o.world_size, bool) and o.world_size >= 1,
+        require(whole(o.world_size, 1),
                 f"{self.name}: world_size must be an integer >= 1; got {o.world_size!r}")
         self.wrapped  # built now, so that its own checks run at construction
         self.group = None  # a process group to run on; None: the default group, if initialised

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import require
+from .base import require, whole
 from .blocksparse import MaskedAttention
 from .masks import Predicate, num_blocks, sliding_window, window_layout
 from .xformers_backend import check_sliding_window
 
 
 def _nonneg_int(name: str, value, minimum: int) -> None:
-    require(isinstance(value, int) and value >= minimum,
+    require(whole(value, minimum),
             f"sliding_window: {name} must be an integer >= {minimum}; got {value!r}")
 
 

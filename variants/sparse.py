@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .base import require, require_seed
+from .base import require, require_seed, whole
 from .blocksparse import MaskedAttention
 from .masks import bigbird_layout, fixed_layout, num_blocks, strided_layout
 
@@ -55,14 +55,14 @@ class SparseOptions:
                     continue
                 require(value is None, f"sparse: option {name!r} belongs to pattern={pattern}, not "
                                        f"pattern={self.pattern}; allowed for {self.pattern}: {', '.join(own)}")
-        require(isinstance(self.block_size, int) and self.block_size >= 1,
+        require(whole(self.block_size, 1),
                 f"sparse: block_size must be an integer >= 1; got {self.block_size!r}")
         for name in own:
             value = getattr(self, name)
             if name == "seed":
                 require_seed("sparse: seed", value)
                 continue
-            require(isinstance(value, int) and not isinstance(value, bool) and value >= MINIMUM[name],
+            require(whole(value, MINIMUM[name]),
                     f"sparse: {name} must be an integer >= {MINIMUM[name]}; got {value!r}")
         if self.pattern == "fixed":
             require(self.summary_blocks <= self.local_blocks,

@@ -91,6 +91,7 @@ class Ulysses(SequenceParallel):
         return self.wrapped.exact_counterpart(block_size)  # reformer's: full attention on its k̂
 
     def check_workload(self, num_heads: int) -> None:
+        self.wrapped.check_workload(num_heads)  # the inner's heads are the whole call's, sharded over ranks
         P = self.options.world_size
         require(num_heads % P == 0, f"ulysses: num_heads={num_heads} is not divisible by world_size={P}; "
                                     f"allowed: num_heads a multiple of {P}")
