@@ -25,9 +25,11 @@ def check(argv: list[str]) -> None:
     from hydra.errors import HydraException
     from hydra.types import RunMode
     from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import OmegaConfBaseException
 
-    from harness.config import ConfigError, check_output_dir, one_line
+    from harness.config import ConfigError, check_output_dir, launched, one_line
 
+    launched()  # torchrun's or SLURM's variables, read by Hydra's callbacks and the run: integers
     args = hydra_args(argv)
     commands = [flag for flag, given in (("--run", args.run), ("--multirun", args.multirun),
                                          ("--cfg", args.cfg is not None), ("--info", args.info is not None),
@@ -84,7 +86,9 @@ def check(argv: list[str]) -> None:
             # One job's config is the base unless a value sweeps (a sweep without -m: Hydra's "ambiguous
             # value" in RUN mode); composing again would cost a quarter of a second for the same config.
             cfg = compose_job(name, overrides, [overrides]) if sweeps(overrides) else base
-        except HydraException as e:  # an override that does not parse, a sweep Hydra's sweeper cannot expand
+        # An override that does not parse, a sweep Hydra's sweeper cannot expand; an interpolation of Hydra's
+        # own settings that does not resolve (hydra.run.dir=${oc.env:UNSET}), read here before Hydra does
+        except (HydraException, OmegaConfBaseException) as e:
             raise ConfigError(one_line(e)) from None
     with open_dict(cfg):
         del cfg["hydra"]

@@ -353,6 +353,30 @@ def one_of(name: str, x: Any, allowed: tuple[str, ...]) -> str:
     return x
 
 
+def launched() -> dict[str, Any] | None:
+    """The group torchrun or SLURM launched this process into (rank, world_size, address, port, local_rank),
+    or None. Their variables are integers; one that is not (RANK= left empty) is refused in one line, where
+    it was a traceback, or a warning that skipped the check of a directory in use."""
+    import os
+
+    env = os.environ
+
+    def number(name: str, default: str | None = None) -> int:
+        text = env.get(name, default)
+        if text is None or not (text.strip().isascii() and text.strip().isdigit()):
+            raise ConfigError(f"environment variable {name}={text!r} is not an integer >= 0; allowed: what torchrun "
+                              f"or srun sets (unset it for one process)")
+        return int(text)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, size, local = number("RANK"), number("WORLD_SIZE"), number("LOCAL_RANK", env["RANK"])
+    elif "SLURM_PROCID" in env and number("SLURM_NTASKS", "1") > 1:
+        rank, size, local = number("SLURM_PROCID"), number("SLURM_NTASKS"), number("SLURM_LOCALID", "0")
+    else:
+        return None
+    address = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1"
+    return dict(rank=rank, world_size=size, address=address, port=number("MASTER_PORT", "29500"), local_rank=local)
+
+
 def check_output_dir(path: str | Path) -> None:
     """Refuses an output directory results could not be written to (Hydra would create it with a
     traceback). Tried for real: a file is created and removed in the nearest existing ancestor, since
@@ -362,6 +386,11 @@ def check_output_dir(path: str | Path) -> None:
     import tempfile
 
     path = Path(path).absolute()
+    # Names and paths past the filesystem's limits: Hydra's mkdir fails with a traceback
+    for name, size, most in [*((f"a name ({p[:24]}...)", len(os.fsencode(p)), NAME_MAX) for p in path.parts),
+                             (f"a path ({str(path)[:24]}...)", len(os.fsencode(str(path))), PATH_MAX - 1)]:
+        if size > most:
+            raise ConfigError(f"cannot write results under {name} of {size} bytes; allowed: at most {most}")
     ancestor = path
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -383,6 +412,7 @@ def check_output_dir(path: str | Path) -> None:
 
 
 NAME_MAX = 255  # bytes in a file name (ext4, xfs, NFS): a longer job directory fails in Hydra's mkdir
+PATH_MAX = 4096  # bytes in a path, its terminating null included (Linux)
 
 
 def job_dirname(overrides: str) -> str:

@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from variants.seqpar import SequenceParallel, shard
 
-from .config import ConfigError, Settings, one_line
+from .config import ConfigError, Settings, launched, one_line
 from .measure import Timing, _stats, measure_point, synchronize, with_before
 
 CONTROL_SLACK_S = 600  # the control group waits for a whole point: timeout_s plus the passes' budget plus this
@@ -62,16 +62,9 @@ class Rendezvous:
 
 
 def from_environment() -> Rendezvous | None:
-    """The group this process was launched into by torchrun or SLURM, or None."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, size, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"]))
-    elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        rank, size, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-    else:
-        return None
-    address = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1"
-    return Rendezvous(rank, size, address, int(env.get("MASTER_PORT", 29500)), local)
+    """The group this process was launched into by torchrun or SLURM, or None (harness.config.launched)."""
+    found = launched()
+    return None if found is None else Rendezvous(**found)
 
 
 def init_group(rv: Rendezvous, timeout_s: float) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 MODES = ("online", "offline", "disabled")
+WANDB_ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")  # what wandb's settings take
 # Per-point metrics plotted against seq_len; task curves have their own step.
 POINT_METRICS = ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "peak_mem_bytes", "peak_mem_abs_bytes", "tflops_fwd",
                  "out_rel_err", "out_cos", "out_max_abs_err", "grad_rel_err", "mass_kept",
@@ -44,6 +45,17 @@ class LoggerConfig:
             raise ValueError(f"logger: unknown logger {self.name!r}; allowed: wandb, none")
         if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"logger: unknown mode {self.mode!r}; allowed: {', '.join(MODES)}")
+        if self.name == "wandb":
+            check_wandb_mode_env()
+
+
+def check_wandb_mode_env() -> None:
+    """wandb reads WANDB_MODE itself, whatever mode it is given, and refused another value with a traceback
+    after the run had begun (the report's --wandb: after its files were written): refused first, in one line."""
+    env = os.environ.get("WANDB_MODE")
+    if env is not None and env not in WANDB_ENV_MODES:
+        raise ValueError(f"environment variable WANDB_MODE={env!r} is not a wandb mode; allowed: "
+                         f"{', '.join(WANDB_ENV_MODES)}, or unset")
 
 
 def sweep_group_name(sweep_dir: str | Path) -> str:

@@ -655,6 +655,12 @@ LATE_REFUSALS = [
                          "into the current directory)"),
     (["-m", "hydra.sweep.dir="], "hydra.sweep.dir is empty (an unset variable?); allowed: a directory path (Hydra "
                                  "would write into the current directory)"),
+    # an interpolation of Hydra's own settings that does not resolve, a name past the filesystem's limit:
+    # tracebacks (the second after Hydra had made the directories above it)
+    (["hydra.run.dir=out/${oc.env:HARNESS_TEST_UNSET}"], "KeyError raised while resolving interpolation: "
+     "\"Environment variable 'HARNESS_TEST_UNSET' not found\" full_key: hydra.run.dir object_type=dict"),
+    ([f"hydra.run.dir=out/{'a' * 256}"], f"cannot write results under a name ({'a' * 24}...) of 256 bytes; allowed: "
+                                         f"at most 255"),
     # every job's values of a sweep, not one job per combination of config group choices
     (["-m", "batch_size=1,abc"], "batch_size must be an integer > 0; got 'abc'"),
     (["-m", "seq_lens=[32],[0]"], "seq_lens must be an integer > 0; got 0"),

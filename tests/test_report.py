@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -560,6 +561,24 @@ def _one_line_error(res: subprocess.CompletedProcess, *needles: str) -> None:
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
     for needle in needles:
         assert needle in lines[0]
+
+
+def test_a_wandb_mode_that_wandb_refuses_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """wandb reads WANDB_MODE itself and refused another value with a traceback: the harness's run after it
+    had begun, the report's --wandb after its files were written."""
+    from harness.logger import LoggerConfig
+
+    sweep = write_sweep(tmp_path / "s", [[row("full", "sdpa", 128, fwd=1.0, mem=1)]])
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    line = "environment variable WANDB_MODE='bogus' is not a wandb mode; allowed: online, offline, disabled, " \
+           "dryrun, run, shared, or unset"
+    with pytest.raises(ValueError, match=f"^{re.escape(line)}$"):
+        LoggerConfig(name="wandb")
+    LoggerConfig(name="none")  # no wandb, no refusal
+    with pytest.raises(SystemExit) as err:
+        report.main([str(sweep), "--wandb"])
+    assert err.value.code == 2 and capsys.readouterr().err.startswith(f"report: error: {line}")
+    assert not (sweep / "report").exists()
 
 
 def test_bad_inputs_exit_2_with_one_line(tmp_path):

@@ -328,6 +328,29 @@ def test_bad_input_is_one_line(args, line, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_launchers_variable_that_is_not_an_integer_is_one_line(tmp_path, monkeypatch):
+    """RANK= left empty was a traceback with ring, and with any variant a warning from Hydra's callback
+    that then skipped its check of a directory in use (a second run overwrote the holder's record)."""
+    from harness.config import ConfigError, launched
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    assert launched() is None
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert launched() == dict(rank=1, world_size=2, address="127.0.0.1", port=29500, local_rank=0)
+    monkeypatch.setenv("SLURM_NTASKS", "abc")
+    with pytest.raises(ConfigError, match=r"^environment variable SLURM_NTASKS='abc' is not an integer >= 0; "):
+        launched()
+    monkeypatch.delenv("SLURM_PROCID")
+    proc = subprocess.run([sys.executable, "-m", "harness", "logger=none", f"hydra.run.dir={tmp_path / 'out'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "RANK": "",
+                                                                                      "WORLD_SIZE": "2"})
+    assert (proc.returncode, proc.stderr) == (2, "error: environment variable RANK='' is not an integer >= 0; "
+                                                 "allowed: what torchrun or srun sets (unset it for one process)\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_more_cuda_ranks_than_gpus_is_refused():
     """On CUDA every rank takes its own GPU: a rank with none would fail at start and leave the others
     waiting out the control timeout, so validation refuses it first. (CUDA is hidden from the CPU suite:

@@ -561,6 +561,13 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.sweep_dir / REPORT_DIR
     if out.exists() and not out.is_dir():
         p.error(f"--out {out} is a file (it names the report's directory)")
+    if args.wandb:
+        from harness.logger import check_wandb_mode_env
+
+        try:
+            check_wandb_mode_env()
+        except ValueError as err:
+            p.error(str(err))
     if (out / "results.jsonl").exists() or ((out / "results.csv").exists() and not (out / "report.html").exists()):
         p.error(f"--out {out} holds results (a results.jsonl, or a results.csv no report wrote), which the "
                 f"report's results.csv would replace; choose another directory")
