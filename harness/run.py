@@ -413,7 +413,10 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
         flops = attn.flops(B, H, N, D, s.causal)
         rec.update(flops_fwd=flops.executed, flops_fwd_useful=flops.useful, density=attn.density(N, s.causal),
                    block_density=attn.block_density(N, s.causal),
-                   analytic_mem_bytes=attn.memory_bytes(B, H, N, D, element_size, s.causal, device))
+                   # with measure.param_grads the backward also allocates each parameter's gradient (linear's
+                   # E and F: proj_dim × max_seq_len each, whatever N)
+                   analytic_mem_bytes=attn.memory_bytes(B, H, N, D, element_size, s.causal, device)
+                   + sum(p.numel() * p.element_size() for p in attn.parameters() if p.requires_grad))
         # q, k, v and the output gradient are allocated too; the analytic figure counts only the extra.
         needed = rec["analytic_mem_bytes"] + 4 * B * H * N * D * element_size
         # Sizes each within int64 whose product is not (a row could not hold it): no machine runs them
