@@ -139,8 +139,10 @@ class RunLogger:
             self.run.log(values, step=self.state.next_step())
 
     def add(self, row) -> None:
-        """One measured point (a results.Result): every number of its row (seq_len is the x-axis)."""
+        """One measured point (a results.Result): every number of its row (seq_len is the x-axis), counted
+        in the run's state (ResultStore compares the count with the rows the directory still holds)."""
         if self.run is not None:
+            self.state.points += 1  # saved with the step, before the log call
             self.log({k: v for k, v in row.record().items() if _is_number(v)})
 
     def log_task_step(self, seq_len: int, step: int, metrics: dict[str, float]) -> None:
@@ -197,9 +199,11 @@ RUN_STATE = Path("wandb", "harness-run.json")  # in the output directory
 
 
 class RunState:
-    """``<output dir>/wandb/harness-run.json``: the directory's wandb run id and the next step, so every
-    run into the directory resumes one wandb run (a sync uploads each point once). A run with
-    ``resume=false`` starts a new wandb run: its ResultStore moves this file aside with the rows."""
+    """``<output dir>/wandb/harness-run.json``: the directory's wandb run id, the next step and the points
+    logged, so every run into the directory resumes one wandb run (a sync uploads each point once). A run
+    with ``resume=false`` starts a new wandb run: its ResultStore moves this file aside with the rows, and
+    so it does where the run logged points whose rows the directory no longer holds (measured again, they
+    would be charted twice in one history)."""
 
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory) / RUN_STATE
@@ -207,15 +211,17 @@ class RunState:
             saved = json.loads(self.path.read_text())
         except (OSError, ValueError):
             saved = {}
-        self.run_id: str | None = saved.get("id") if isinstance(saved, dict) else None
-        self.step: int = int(saved.get("next_step", 0)) if isinstance(saved, dict) else 0
+        saved = saved if isinstance(saved, dict) else {}
+        self.run_id: str | None = saved.get("id")
+        self.step: int = int(saved.get("next_step", 0))
+        self.points: int = int(saved.get("points", 0))  # rows logged (a state of older code: 0, unknown)
 
     def save(self, run_id: str) -> None:
         from .results import write_json
 
         self.run_id = run_id
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(self.path, {"id": run_id, "next_step": self.step})
+        write_json(self.path, {"id": run_id, "next_step": self.step, "points": self.points})
 
     def next_step(self) -> int:
         step, self.step = self.step, self.step + 1

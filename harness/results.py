@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from .config import INT64_MAX, PASSES, utf8
-from .logger import RUN_STATE
+from .logger import RUN_STATE, RunState
 
 STATUSES = ("ok", "oom", "skipped", "error", "nonfinite")
 SLOW = "measure.max_call_s"  # in the reason of a point skipped because its call was predicted too slow
@@ -902,6 +902,7 @@ class ResultStore:
                 if self.jsonl.exists():
                     self._load()
                 self._keep_a_foreign_csv()
+                self._new_wandb_run_if_rows_were_lost()
             else:  # with the rows, their views, the fit of them and the wandb run they were logged to: a new run
                 move_aside([self.jsonl, self.csv, self.output_dir / "fit.json", self.output_dir / RUN_STATE],
                            "replaced")
@@ -924,6 +925,17 @@ class ResultStore:
             aside = move_aside([self.csv, self.output_dir / "fit.json"], "replaced")
             self.warn(f"{self.csv} holds rows that {self.jsonl.name} does not: moved to {aside[0].name}"
                       + (f" (with fit.json: {aside[1].name})" if len(aside) > 1 else ""))
+
+    def _new_wandb_run_if_rows_were_lost(self) -> None:
+        """The directory's wandb run logged more points than its results.jsonl holds rows (the file deleted,
+        lines damaged): the points measured again would be charted beside their lost measurements in one
+        history. Its state is moved aside, as resume=false does, and the run goes to a new wandb run."""
+        state = RunState(self.output_dir)
+        if state.run_id is not None and state.points > len(self.rows):
+            aside = move_aside([self.output_dir / RUN_STATE], "replaced")
+            self.warn(f"wandb run {state.run_id} logged {state.points} point(s) and {self.jsonl.name} holds "
+                      f"{len(self.rows)} row(s): the points measured again go to a new wandb run ({RUN_STATE} "
+                      f"moved to {aside[0].name})")
 
     def _load(self) -> None:
         text = read_text(self.jsonl)  # bytes not UTF-8 kept as they are

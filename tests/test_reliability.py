@@ -132,6 +132,27 @@ def test_resume_false_with_wandb_on_starts_a_new_wandb_run(tmp_path):
 
 # ----- 2: two writers on one directory ---------------------------------------------------------------
 
+def test_a_wandb_run_that_logged_points_whose_rows_are_lost_is_not_resumed(tmp_path):
+    """A results.jsonl deleted or damaged under a directory whose wandb run had logged its points: the points
+    measured again were logged a second time into the one resumed run. Its state is moved aside (a new
+    wandb run, as resume=false), and only then."""
+    from harness.logger import RUN_STATE, RunState
+
+    out = tmp_path / "D"
+    run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=out)
+    (out / RUN_STATE).parent.mkdir()
+    (out / RUN_STATE).write_text(json.dumps({"id": "abc123", "next_step": 2, "points": 2}))
+    said = []
+    ResultStore(out, warn=said.append).close()  # both rows there: the same run goes on
+    assert said == [] and RunState(out).run_id == "abc123"
+    lines = lines_of(out / "results.jsonl")
+    (out / "results.jsonl").write_text(lines[1] + "\n")  # the first row lost
+    ResultStore(out, warn=said.append).close()
+    assert said[1:] == [f"wandb run abc123 logged 2 point(s) and results.jsonl holds 1 row(s): the points measured again "
+                    f"go to a new wandb run ({RUN_STATE} moved to {next(out.glob('wandb/harness-run.json.replaced-*')).name})"]
+    assert RunState(out).run_id is None
+
+
 def test_a_second_run_on_a_busy_directory_is_refused_naming_the_holder(tmp_path):
     out = tmp_path / "D"
     assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
