@@ -420,20 +420,23 @@ def parse_jsonl(text: str, check: Callable[[Any], str | None] | None = None) -> 
 
 
 def _rows_inside(line: str, check: Callable[[Any], str | None]) -> list[dict[str, Any]]:
-    """The whole valid rows inside a damaged line, in order: a line cut mid-write and then joined with the
-    next row (the next append started without a newline) still holds that next row; two rows whose
-    newline was lost hold both."""
+    """The whole valid rows inside a damaged line, in order: the rows it starts with, one after another
+    (rows whose newline was lost), and the row it ends with (a line cut mid-write, then joined with the
+    next row: the next append started without a newline). Never an object nested in a row."""
     rows, end, decoder = [], 0, json.JSONDecoder()
-    for start in (m.start() for m in re.finditer(r"\{", line)):
-        if start < end:  # inside a row kept
-            continue
+
+    def whole(start: int) -> tuple[Any, int] | None:
         try:
             row, stop = decoder.raw_decode(line, start)
         except (ValueError, RecursionError):
-            continue
-        if not UNDECODABLE.search(line, start, stop) and check(row) is None:
-            rows.append(row)
-            end = stop
+            return None
+        return None if UNDECODABLE.search(line, start, stop) or check(row) is not None else (row, stop)
+    while end < len(line) and (found := whole(end)) is not None:
+        rows.append(found[0])
+        end = found[1]
+    for start in (m.start() for m in re.finditer(r"\{", line) if m.start() > end):
+        if (found := whole(start)) is not None and found[1] == len(line):
+            return rows + [found[0]]
     return rows
 
 

@@ -57,9 +57,14 @@ def rows_of(path: Path) -> list[dict[str, Any]]:
 
 
 def side_rows(path: Path) -> list[dict[str, Any]]:
-    """The whole rows of one of the benchmark's own .jsonl files (compare.jsonl, tests-gpu.jsonl); a line
-    cut by a kill is left out."""
-    return read_jsonl(path, check=lambda r: None if isinstance(r, dict) else "not a JSON object") if path.exists() else []
+    """The whole rows of one of the benchmark's own .jsonl files (compare.jsonl: a kernel's row, each with
+    label, name and status; tests-gpu.jsonl: a test's outcome); a line cut by a kill is left out, and so is
+    an object without those keys (one nested in a cut row)."""
+    keys = ("test", "outcome") if path.name.startswith("tests-gpu") else ("label", "name", "status")
+
+    def check(r: Any) -> str | None:
+        return None if isinstance(r, dict) and all(k in r for k in keys) else f"not a row with {', '.join(keys)}"
+    return read_jsonl(path, check=check) if path.exists() else []
 
 
 def d_done(rows: list[dict[str, Any]]) -> set[tuple[str, str]]:
