@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..config import one_line_errors
+from ..config import ConfigError, check_output_dir, one_line_errors
 from ..results import (REPORT_DIR, SLOW, atomic_write, from_timings, loglog_slope, noisy_passes, untrusted,
                        write_csv)
 from .collect import (FULL, STATUSES, InputError, Series, columns, environment_fields, group_series, load_rows,
@@ -561,6 +561,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.sweep_dir / REPORT_DIR
     if out.exists() and not out.is_dir():
         p.error(f"--out {out} is a file (it names the report's directory)")
+    try:  # a name past the filesystem's limit, an unwritable place: said before any file is made
+        check_output_dir(out)
+    except ConfigError as err:
+        p.error(f"--out: {err}")
     if args.wandb:
         from harness.logger import check_wandb_mode_env
 
