@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -37,20 +39,31 @@ MULTIRUN: list[str] = []
 STARTED: list[float] = []  # when it started (time.time())
 
 
-# A job of this multirun wrote its status.json after the multirun started; clocks of a cluster's nodes and
-# its file server may disagree by this much.
+# Where a job's status.json names no multirun (written by older code): a job of this multirun wrote it after
+# the multirun started; clocks of a cluster's nodes and its file server may disagree by this much.
 CLOCK_SLACK_S = 120.0
 
 
-def job_states(root: Path, since: float | None = None) -> dict[Path, str]:
+def job_states(root: Path, since: float | None = None, multirun: str | None = None) -> dict[Path, str]:
     """Every job directory under a sweep directory (one with results.jsonl or status.json; a report's
-    folders excluded) -> its state; with ``since`` (a time.time()), only those whose files changed after
-    it: the jobs of the multirun that started then, not those an earlier sweep left in the directory."""
+    folders excluded) -> its state; with ``multirun`` (its id, MULTIRUN_ENV), only the jobs whose status.json
+    names it, and with ``since`` (a time.time()) those whose files changed after it, where status.json names
+    none: the jobs of the multirun, not those an earlier sweep or another command left in the directory."""
     from harness.results import job_state, report_output  # "gone": said running, but no live process holds it
 
     files = [p for name in ("results.jsonl", "status.json") for p in root.rglob(name) if not report_output(p, root)]
-    jobs = {p.parent for p in files if since is None or p.stat().st_mtime >= since - CLOCK_SLACK_S}
-    return {job: str(job_state(job).get("state", "?")) for job in sorted(jobs)}
+    states = {}
+    for job in sorted({p.parent for p in files}):
+        state = job_state(job)
+        named = state.get("multirun")
+        if multirun is not None and named is not None:
+            if named != multirun:
+                continue
+        elif since is not None and not any(p.parent == job and p.stat().st_mtime >= since - CLOCK_SLACK_S
+                                           for p in files):
+            continue
+        states[job] = str(state.get("state", "?"))
+    return states
 
 
 def record_refused(sweep_dir: str | Path, num: int, overrides: str, message: str) -> None:
@@ -72,16 +85,23 @@ class Hooks(Callback):
                 sys.exit(2)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from harness.results import MULTIRUN_ENV
+
         NOT_COMPLETE.clear()
         MULTIRUN.append(str(config.hydra.sweep.dir))
         STARTED.append(time.time())
+        # Inherited by the jobs, whatever the launcher: each job's status.json names its multirun
+        os.environ[MULTIRUN_ENV] = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
         (Path(str(config.hydra.sweep.dir)) / REFUSED).unlink(missing_ok=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         root = Path(str(config.hydra.sweep.dir))
         if not root.is_dir():
             return
-        states = collections.Counter(job_states(root, STARTED[-1] if STARTED else None).values())
+        from harness.results import MULTIRUN_ENV
+
+        states = collections.Counter(job_states(root, STARTED[-1] if STARTED else None,
+                                                os.environ.get(MULTIRUN_ENV)).values())
         refused = root / REFUSED
         if refused.exists():  # jobs that could not say so in their own directory
             for line in refused.read_text().splitlines():

@@ -47,6 +47,9 @@ from .config import INT64_MAX, PASSES, utf8
 from .logger import RUN_STATE, RunState
 
 STATUSES = ("ok", "oom", "skipped", "error", "nonfinite")
+# The multirun a job belongs to: set by the multirun (harness.hydra_hooks), inherited by its jobs' processes
+# (joblib's, submitit's, SLURM's), kept in each job's status.json
+MULTIRUN_ENV = "HARNESS_MULTIRUN"
 SLOW = "measure.max_call_s"  # in the reason of a point skipped because its call was predicted too slow
 JOB_STATES = ("running", "completed", "failed", "refused", "interrupted")
 OPT_PREFIX = "opt_"
@@ -1006,7 +1009,7 @@ class JobStatus:
         self.info: dict[str, Any] = {"state": "running", "points_total": total, "points_done": 0,
                                      "statuses": {}, "noisy": 0, "pid": os.getpid(),
                                      "hostname": socket.gethostname(), "started": _now(), "updated": _now(),
-                                     "error": None}
+                                     "error": None, "multirun": os.environ.get(MULTIRUN_ENV)}
         for row in done:
             self._count(row)
 

@@ -177,10 +177,14 @@ def test_a_job_failing_in_the_harness_itself_still_ends_with_the_summary(tmp_pat
 
 def test_the_summary_counts_this_multiruns_jobs_not_an_earlier_sweeps(tmp_path):
     """A job an earlier sweep left interrupted in the same sweep directory (another sub-grid) is not one of
-    this multirun's: it neither shows in the summary nor makes the multirun exit 1."""
-    old = tmp_path / "old"
-    old.mkdir()
-    (old / "status.json").write_text(json.dumps({"state": "interrupted", "error": "interrupted (Ctrl-C)"}))
+    this multirun's: it neither shows in the summary nor makes the multirun exit 1. Its status.json names
+    its multirun; one of older code, which names none, counts where it changed after this one started
+    (less a clock slack: the earlier sweep's job interrupted a minute before was counted)."""
+    old, recent = tmp_path / "old", tmp_path / "recent"
+    for job, multirun in ((old, None), (recent, "host:1:1")):
+        job.mkdir()
+        (job / "status.json").write_text(json.dumps({"state": "interrupted", "error": "interrupted (Ctrl-C)",
+                                                     **({"multirun": multirun} if multirun else {})}))
     hour_ago = time.time() - 3600
     os.utime(old / "status.json", (hour_ago, hour_ago))
     p = subprocess.run([sys.executable, "-m", "harness", "-m", *TINY, "variant=full", f"hydra.sweep.dir={tmp_path}",
@@ -188,6 +192,7 @@ def test_the_summary_counts_this_multiruns_jobs_not_an_earlier_sweeps(tmp_path):
                        text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "jobs: 1 (completed 1)" in p.stdout, p.stdout
+    assert json.loads((tmp_path / "new" / "status.json").read_text())["multirun"].count(":") == 2
 
 
 def test_parallel_jobs_sharing_a_directory_wait_for_each_other(tmp_path):
