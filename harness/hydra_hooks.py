@@ -52,17 +52,13 @@ def job_states(root: Path, since: float | None = None, multirun: str | None = No
     from harness.results import job_state, report_output  # "gone": said running, but no live process holds it
 
     files = [p for name in ("results.jsonl", "status.json") for p in root.rglob(name) if not report_output(p, root)]
+    changed = {p.parent for p in files if since is None or p.stat().st_mtime >= since - CLOCK_SLACK_S}
     states = {}
     for job in sorted({p.parent for p in files}):
         state = job_state(job)
         named = state.get("multirun")
-        if multirun is not None and named is not None:
-            if named != multirun:
-                continue
-        elif since is not None and not any(p.parent == job and p.stat().st_mtime >= since - CLOCK_SLACK_S
-                                           for p in files):
-            continue
-        states[job] = str(state.get("state", "?"))
+        if (named == multirun) if multirun is not None and named is not None else job in changed:
+            states[job] = str(state.get("state", "?"))
     return states
 
 

@@ -252,18 +252,16 @@ def row_problem(row: Any) -> str | None:
             continue
         if isinstance(v, bool) and bool not in types or not isinstance(v, types):
             return f"{name}={v!r} is not {' or '.join(t.__name__ for t in types)}"
-        if isinstance(v, float) and not math.isfinite(v):
-            return f"{name} is not finite"
+    for k, v in row.items():  # every field, and what a list or an object in it holds: NaN, infinities...
+        if problem := _unwritable(k):
+            return f"a field's name {ascii(k)} {problem}"  # ascii: the message itself must be writable
+        if problem := _unwritable(v):
+            return f"{k} {problem}"
     for name in NON_NEGATIVE:  # the types are checked above; a list's items are numbers or null
         values = row.get(name) if isinstance(row.get(name), list) else [row.get(name)]
         low = [x for x in values if isinstance(x, (int, float)) and (x <= 0 if name in POSITIVE else x < 0)]
         if low:
             return f"{name}={low[0]!r} is {'not > 0' if name in POSITIVE else 'negative'}"
-    for k, v in row.items():  # every field, and what a list or an object in it holds
-        if problem := _unwritable(k):
-            return f"a field's name {ascii(k)} {problem}"  # ascii: the message itself must be writable
-        if problem := _unwritable(v):
-            return f"{k} {problem}"
     if row["status"] not in STATUSES:
         return f"status {row['status']!r} is not one of {', '.join(STATUSES)}"
     if row["seq_len"] <= 0:
