@@ -26,8 +26,9 @@ In a step, the backends that compile per N (flex) run in sweeps of their own aft
 N×N backends last; where a run of such sweeps begins, their points are compiled first, several processes
 at once, by warm-up calls only (precompile: the sweeps then load the kernels from torch's caches). A
 rerun into the same --out (default results/gpu/<UTC date>-<device>/) resumes: a sweep skips the points
-it has, a finished sweep is not run again (state.json); a directory that an earlier invocation measured
-on another device is refused. --budget-s bounds the invocation: a sweep still running when it is spent
+it has, a finished step is not run again while what it measured is there (state.json, and its rows or
+file; a job file that does not read is set aside); a directory that an earlier invocation measured on
+another device is refused. --budget-s bounds the invocation: a sweep still running when it is spent
 gets SIGTERM (its job records status interrupted and resumes on the next invocation). Then SUMMARY.md
 and summary.json (targets: met | missed, with the gap | not measured | skipped on CPU), and
 harness.report's plots and tables (a/report/, c/report/).
@@ -41,7 +42,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
 import platform
 import re
@@ -64,14 +64,15 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from bench_gpu_kernels import BUDGET_SPENT, part_overhead, part_public, part_roof, public_list  # noqa: E402
-from bench_gpu_summary import (COMPARED, EXPONENT_TARGETS, TABLE21, d_done, invocations, n2, other_device,  # noqa: E402
-                               side_rows, summarize)
+from bench_gpu_summary import (COMPARED, EXPONENT_TARGETS, TABLE21, d_done, invocations, job_file, n2,  # noqa: E402
+                               other_device, side_rows, summarize)
 from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import device_name, now  # noqa: E402
 from harness.results import latest, read_jsonl, write_json  # noqa: E402
 
 STEPS = ("roof", "c-targets", "d", "a-targets", "c", "a")
 CHILDREN = {"roof": part_roof, "d:overhead": part_overhead, "d:public": part_public}  # steps of this script's own
+CHILD_FILES = {"roof": "roof.json", "d:overhead": "d/overhead.json"}  # what they write, whole, once done
 # (label, variant, options): part a's series and the comparisons' variants.
 VARIANTS = [("full", "full", {}), ("sliding_window", "sliding_window", {}), ("linear", "linear", {}),
             ("blockwise-local", "blockwise", {"mode": "local"}), ("sparse-fixed", "sparse", {"pattern": "fixed"}),
@@ -136,7 +137,7 @@ class Context:
                  labels: list[str], recorded: dict[str, list[str]] | None = None) -> None:
         self.plan, self.out, self.device, self.log, self.labels = plan, out, device, log, labels
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
-        self.state = json.loads((out / "state.json").read_text()) if (out / "state.json").exists() else {}
+        self.state = job_file(out / "state.json") or {}
         self.lost = False  # this process lost its CUDA context (d:public): its kernels stop
         self._steps: list[Step] | None = None
         # Reading an earlier run's results (--summary-only, --pending): each label's backends as the
@@ -155,14 +156,17 @@ class Context:
         return all(self.complete(s) for s in self.steps(group))
 
     def complete(self, step: Step) -> bool:
-        """Whether ``step`` has nothing left to measure: state.json says so, and for d:public every public
-        kernel has its row (a pattern or kernel added since that step ran reopens it)."""
+        """Whether ``step`` has nothing left to measure: state.json says so, and what it measured is there:
+        a sweep's row for each of its points, d:public's for each public kernel (a length, pattern or
+        kernel added since the step ran, or a file lost since, reopens it), roof's and d:overhead's file."""
         if self.state.get(step.name) != "complete":
             return False
-        if step.name != "d:public":
-            return True
-        have = d_done(side_rows(self.out / "d" / "compare.jsonl"))
-        return all((label, name) in have for label, name, *_ in public_list(self))
+        if step.preset is not None:
+            return not pending_points(self, step)
+        if step.name == "d:public":
+            have = d_done(side_rows(self.out / "d" / "compare.jsonl"))
+            return all((label, name) in have for label, name, *_ in public_list(self))
+        return job_file(self.out / CHILD_FILES[step.name]) is not None
 
     @property
     def skips_cuda(self) -> bool:
@@ -323,12 +327,27 @@ def compiled(step: Step) -> bool:
     return step.name.endswith(":compiled")
 
 
+# A sweep's keys (hydra's sweeper params and the overrides) that each row names, and the row's field
+GRID = {"variant": "variant", "variant.backend": "backend", "head_dim": "head_dim", "causal": "causal"}
+
+
+def pending_points(ctx: Context, step: Step) -> list[tuple]:
+    """The points of ``step``'s sweep that its directory holds no row of yet, as (its GRID values, N):
+    its jobs are the product of the GRID keys' values (the step's overrides, else the preset's sweeper
+    params; a key given in neither is not checked), each with the sweep's lengths. Every point of a
+    finished sweep has its row, an oom's or a skipped one's too."""
+    params = yaml.safe_load((ROOT / "conf" / "sweep" / f"{step.preset}.yaml").read_text())["hydra"]["sweeper"]["params"]
+    given = {**{k: str(v) for k, v in params.items()}, **dict(o.split("=", 1) for o in step.overrides if "=" in o)}
+    grid = {k: [yaml.safe_load(v) for v in given[k].split(",")] for k in GRID if k in given}
+    held = {(*[r.get(GRID[k]) for k in grid], r["seq_len"]) for path in (ctx.out / step.directory).rglob("results.jsonl")
+            for r in latest(read_jsonl(path))}
+    return [point for point in itertools.product(*grid.values(), seq_lens(step.preset, step.overrides))
+            if point not in held]
+
+
 def pending_lengths(ctx: Context, step: Step) -> list[int]:
-    """The lengths of ``step``'s sweep that its directory holds no row of yet (for its backends)."""
-    chosen = next(o for o in step.overrides if o.startswith("variant.backend=")).split("=", 1)[1].split(",")
-    held = {r["seq_len"] for path in (ctx.out / step.directory).rglob("results.jsonl")
-            for r in latest(read_jsonl(path)) if r.get("backend") in chosen}
-    return [n for n in seq_lens(step.preset, step.overrides) if n not in held]
+    """The lengths of ``step``'s sweep that a point of it has none of yet, shortest first."""
+    return sorted({point[-1] for point in pending_points(ctx, step)})
 
 
 def precompile_chunks(ctx: Context, steps: list[Step]) -> list[tuple[Step, list[int]]]:

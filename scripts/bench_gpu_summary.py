@@ -11,6 +11,7 @@ complete ones only, never on the first ones timed) | skipped (needs CUDA, on the
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -18,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from harness.results import (InputError, atomic_write, fit_exponents, latest, load_rows, noisy_passes, read_jsonl,
-                             untrusted, write_json)
+from harness.results import (InputError, atomic_write, fit_exponents, latest, load_rows, move_aside, noisy_passes,
+                             read_jsonl, untrusted, write_json)
 
 if TYPE_CHECKING:
     from bench_gpu import Context
@@ -108,7 +109,7 @@ def not_yet(wanted: list[str], have: set[str]) -> str:
 def analyse(ctx: Context) -> dict[str, Any]:
     """Every number SUMMARY.md states, from the files in ``out``, and the targets judged on them."""
     a, c = rows_of(ctx.out / "a"), rows_of(ctx.out / "c")
-    roof = json.loads((ctx.out / "roof.json").read_text()) if (ctx.out / "roof.json").exists() else {}
+    roof = job_file(ctx.out / "roof.json") or {}
     res: dict[str, Any] = {"roof": roof, "targets": [], "a_rows": len(a), "c_rows": len(c), "tests": gpu_tests(ctx.out)}
     memory_targets(ctx, a, res)
     roof_target(ctx, c, res)
@@ -275,7 +276,7 @@ def exponent_targets(ctx: Context, a: list[dict[str, Any]], res: dict[str, Any])
 
 def overhead_target(ctx: Context, res: dict[str, Any]) -> None:
     """The harness's timing against raw do_bench of the same callable (d/overhead.json)."""
-    ov = json.loads((ctx.out / "d" / "overhead.json").read_text()) if (ctx.out / "d" / "overhead.json").exists() else {}
+    ov = job_file(ctx.out / "d" / "overhead.json") or {}
     vals = [(f"{cs['variant']}/{cs['backend']} {p}", cs[p]["overhead"]) for cs in ov.get("cases", [])
             if cs["status"] == "ok" for p in ("fwd", "fwd_bwd") if cs[p]["overhead"] is not None]
     worst = max(vals, key=lambda x: abs(x[1]), default=None)  # faster than raw would be a discrepancy too
@@ -421,10 +422,40 @@ def repository_relative(out: Path) -> None:
 
 # ----- command line --------------------------------------------------------------------------------
 
+def job_file(path: Path) -> Any:
+    """One of the job's own JSON files (state.json, env.json, roof.json, d/overhead.json), None where there
+    is none. Each is written whole (write_json), so one that does not read as its kind (cut, emptied or
+    edited by hand) was not written by the job: it is moved aside to ``<name>.damaged-<time>``, with one
+    line saying so, and read as absent: the step it records is done again (state.json: each step is
+    checked against its rows again), where it was a traceback on every rerun."""
+    if not path.exists():
+        return None
+    try:
+        obj = json.loads(path.read_bytes())
+    except ValueError as e:  # json's errors, and bytes that are not UTF-8
+        problem = f"not JSON ({e})"
+    else:
+        expected = list if path.name == "env.json" else dict
+        if not isinstance(obj, expected):
+            kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+            problem = f"{kinds.get(type(obj), 'a number')}, not {kinds[expected]}"
+        elif expected is list and not all(isinstance(e, dict) for e in obj):
+            problem = "an entry that is not an object"
+        elif path.name == "state.json" and not all(isinstance(v, str) for v in obj.values()):
+            problem = "a step whose state is not a string"
+        elif path.name in ("roof.json", "overhead.json") and not isinstance(obj.get("status"), str):
+            problem = "no status"
+        else:
+            return obj
+    aside, = move_aside([path], "damaged")
+    print(f"bench_gpu.py: {path} is damaged ({problem}): moved to {aside.name} and read as absent",
+          file=sys.stderr)
+    return None
+
+
 def invocations(out: Path) -> list[dict[str, Any]]:
     """env.json's entries: one per invocation into ``out``."""
-    path = out / "env.json"
-    return json.loads(path.read_text()) if path.exists() else []
+    return job_file(out / "env.json") or []
 
 
 def other_device(out: Path, name: str) -> str | None:

@@ -560,6 +560,65 @@ def test_a_public_kernel_added_after_d_public_ran_reopens_it(tmp_path):
     assert not ctx.complete(step)  # every row there, but state.json is what says the step ended
 
 
+def test_a_step_whose_rows_or_files_are_lost_is_done_again_and_a_damaged_job_file_is_set_aside(smoke, tmp_path, capsys):
+    """state.json's "complete" stands only while the step's measurements are there: a sweep's row for each
+    of its points (its backends × D × causal × N), roof.json, d/overhead.json. A job file that does not read
+    (cut, emptied, edited by hand) is moved aside, said in one line, and read as absent: not a traceback
+    on every rerun. The next call measures what was lost, and only that."""
+    import shutil
+
+    bench, kernels, summary = load_bench()
+    out = tmp_path / "bench"
+    shutil.copytree(smoke[0] / "bench", out)
+    cpu = torch.device("cpu")
+
+    def context():
+        return bench.Context(bench.SMOKE_PLAN, out, cpu, None, print, list(LABELS))
+    assert all(context().done(group) for group in bench.STEPS)
+    lost = next(p for p in (out / "a" / "linear").rglob("results.jsonl") if "variant.backend=sdpa" in str(p))
+    rows = latest(load_rows(lost))
+    lost.unlink()
+    (out / "roof.json").write_text('{"status": "sk')  # cut
+    ctx = context()
+    assert [s.name for s in ctx.steps() if not ctx.complete(s)] == ["roof", "a-targets:linear", "a:linear"]
+    assert ctx.state["roof"] == "complete" and not (out / "roof.json").exists()
+    (aside,) = out.glob("roof.json.damaged-*")
+    assert aside.read_text() == '{"status": "sk'
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "roof.json is damaged (not JSON" in err[0] and aside.name in err[0], err
+    # A sweep with some of its points' rows is pending at the others' lengths only
+    lost.write_text(json.dumps(rows[0]) + "\n")
+    (step,) = [s for s in ctx.steps() if s.name == "a:linear"]
+    assert bench.pending_lengths(context(), step) == [n for n in SMOKE_N if n != rows[0]["seq_len"]]
+    lost.unlink()
+    kept = {name: (out / name).read_text() for name in ("state.json", "env.json")}
+    for name, text, problem in [("state.json", "[]", "an array, not an object"),
+                                ("state.json", '{"roof": 1}', "a step whose state is not a string"),
+                                ("env.json", "", "not JSON"), ("env.json", '{"device": "cpu"}', "an object, not an array"),
+                                ("d/overhead.json", "{}", "no status")]:
+        (out / name).write_text(text)
+        ctx = context()
+        overhead = ctx.complete(next(s for s in ctx.steps() if s.name == "d:overhead"))
+        assert (summary.invocations(out) == []) == (name == "env.json")
+        err = capsys.readouterr().err
+        assert f"{name.split('/')[-1]} is damaged ({problem}" in err and not (out / name).exists(), (name, err)
+        assert (ctx.state == {}) == (name == "state.json") and overhead == (name == "env.json")
+        for kept_name, text in kept.items():
+            (out / kept_name).write_text(text)
+    # The job again: what was lost is measured, nothing else
+    before = {p: p.read_bytes() for p in out.rglob("results.jsonl")}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--out", str(out),
+                           "--variants", ",".join(LABELS), "--steps", "roof,a-targets,a"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)  # (d:overhead, pending too, takes a minute: Context.complete above)
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr
+    ran = re.findall(r"\] \[([^\]]+)\] (?:-m harness |\S+bench_gpu\.py --child)", proc.stdout)
+    assert ran == ["roof", "a-targets:linear"], ran  # a:linear: its lengths measured by a-targets
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(r["seq_len"] for r in load_rows(lost)) == list(SMOKE_N)
+    ctx = context()
+    assert (out / "roof.json").exists() and [g for g in bench.STEPS if not ctx.done(g)] == ["d"]
+
+
 def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_exactly(smoke, tmp_path):
     """A backend with a noisy (or failed, or missing) length in the fit's range is not fitted, so the
     target cannot pass on what is left of the range; a comparison with a kernel part d has yet to time is
@@ -718,7 +777,7 @@ def test_the_overhead_is_the_median_harness_run_over_the_median_raw_timing(tmp_p
         case = {"variant": "linear", "backend": "sdpa", "status": "ok",
                 **{p: {"harness_ms": mid, "harness_runs_ms": runs, "harness_iqr_ms": [0.01] * 3, "raw_ms": raw,
                        "overhead": mid / ((ref[1] + ref[2]) / 2) - 1} for p in ("fwd", "fwd_bwd")}}
-        (tmp_path / "d" / "overhead.json").write_text(json.dumps({"cases": [case]}))
+        (tmp_path / "d" / "overhead.json").write_text(json.dumps({"status": "ok", "cases": [case]}))
         res = {"targets": []}
         summary.overhead_target(ctx, res)
         return res["targets"][0]
@@ -732,7 +791,7 @@ def test_the_overhead_is_the_median_harness_run_over_the_median_raw_timing(tmp_p
     old = {"variant": "linear", "backend": "sdpa", "status": "ok",
            **{p: {"harness_ms": 1.196, "harness_iqr_ms": 0.0947, "raw_ms": [1.054, 1.053], "overhead": 0.1356}
               for p in ("fwd", "fwd_bwd")}}
-    (tmp_path / "d" / "overhead.json").write_text(json.dumps({"cases": [old]}))
+    (tmp_path / "d" / "overhead.json").write_text(json.dumps({"status": "ok", "cases": [old]}))
     res = {"targets": []}
     summary.overhead_target(ctx, res)
     assert res["targets"][0]["gap"] == "linear/sdpa fwd: +13.56% (harness run 1.196 ms (IQR 7.9%); raw, before and " \
