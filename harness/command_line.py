@@ -74,8 +74,11 @@ def check(argv: list[str]) -> None:
             if isinstance(output_dir, str) and output_dir.strip():
                 check_output_dir(output_dir)
             if multirun:
+                params = OmegaConf.select(base, "hydra.sweeper.params") or {}
+                if not (groups := sweep_groups(params, overrides)):  # Hydra launches 0 jobs and exits 0
+                    raise ConfigError(no_job(params, overrides))
                 distinct = {}  # the variants and tasks of the sweep's jobs: each built and checked once
-                for group in sweep_groups(OmegaConf.select(base, "hydra.sweeper.params") or {}, overrides):
+                for group in groups:
                     cfg = compose_job(name, group[0], [group[0]])
                     for job in group:  # the values of every job: a bad one is refused before any job runs
                         s = check_values(job_config(cfg, group[0], job) or compose_job(name, job, [job]))
@@ -186,13 +189,15 @@ def variant_and_task_checks(settings) -> None:
     from variants import VariantError
 
     from harness.config import ConfigError
-    from harness.quality import task_config
+    from harness.quality import check_task_model, task_config
     from harness.run import build_variant
 
     try:
-        build_variant(settings.variant)
-        for n in settings.seq_lens if settings.task is not None else ():
-            task_config(settings, n)
+        attn = build_variant(settings.variant)
+        if settings.task is not None:
+            for n in settings.seq_lens:
+                task_config(settings, n)
+            check_task_model(attn, settings)
     except VariantError as e:
         raise ConfigError(str(e)) from None
 
@@ -217,6 +222,18 @@ def sweep_groups(params, overrides: list[str]) -> list[list[list[str]]]:
     for job in BasicSweeper.split_arguments(parsed, None)[0]:
         groups.setdefault(tuple(o if is_group(key_of(o)) else key_of(o) for o in job), []).append(job)
     return list(groups.values())
+
+
+def no_job(params, overrides: list[str]) -> str:
+    """Why a sweep has no job: the overrides whose values are none (glob(nope*), range(0)), each with
+    what it could select."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+    empty = [o for o in [f"{k}={v}" for k, v in params.items()] + overrides if not sweep_groups({}, [o])]
+    allowed = "; ".join(f"allowed for {key_of(o)}: {', '.join(sorted(loader.get_group_options(key_of(o))))}"
+                        if is_group(key_of(o)) else f"allowed for {key_of(o)}: at least one value" for o in empty)
+    return f"the sweep has no job: {', '.join(empty)} {'selects' if len(empty) == 1 else 'select'} no value; {allowed}"
 
 
 def sweeps(overrides: list[str]) -> bool:

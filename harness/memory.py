@@ -106,3 +106,22 @@ def device_lost(device: torch.device) -> bool:
         return (torch.ones(1, device=device) + 1).item() != 2.0
     except Exception:
         return True
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """The bytes of a module's parameters and buffers (one built on the meta device: nothing allocated)."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def check_fits(what: str, nbytes: int, allowed: str) -> None:
+    """Refuses a module whose tensors this machine cannot hold, before it is built: a parameter of 10¹³
+    bytes is not an out-of-memory the harness can record but the kernel's OOM killer ending the process
+    (no row, no line), and a model of 10¹¹ layers takes hours to build first. Counted on the meta device
+    (``tensor_bytes``) against MemAvailable, where the modules are built (on the host, then moved)."""
+    from .config import ConfigError
+    from .env import mem_available_bytes
+
+    available = mem_available_bytes()
+    if available is not None and nbytes > available:
+        raise ConfigError(f"{what} take {nbytes / 1e9:.3g} GB, more than this machine's available memory "
+                          f"({available / 1e9:.3g} GB, MemAvailable); allowed: {allowed}")

@@ -25,8 +25,8 @@ from .config import DEFAULT_BUDGET_SHARE, INT64_MAX, ConfigError, Settings, one_
 from .console import Display
 from .logger import sweep_group_name, wandb_run
 from .measure import measure_point, noise, noise_fields, retry_helps, spare_cores, timer_name
-from .memory import device_lost, is_out_of_memory, release_memory
-from .quality import quality, task_config, task_options
+from .memory import check_fits, device_lost, is_out_of_memory, release_memory, tensor_bytes
+from .quality import check_task_model, quality, task_config, task_options
 from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, SLOW, TASK_OPT_PREFIX, JobStatus, LockedError,
                       Result, ResultStore, Sink, Sweep, fit_exponents, machine, point_key, series_key, tflops,
                       write_json)
@@ -43,10 +43,19 @@ def resolve_device(name: str) -> torch.device:
 
 def build_variant(variant_cfg: Mapping[str, Any]) -> variants.Attention:
     """Instantiates the variant's ``_target_`` with its options; the variant's own VariantError (unknown
-    option, bad value) is re-raised as it is, not wrapped in Hydra's multi-line InstantiationException."""
+    option, bad value) is re-raised as it is, not wrapped in Hydra's multi-line InstantiationException.
+    Built on the meta device first: tensors this machine cannot hold are refused (``check_fits``)."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
+    try:  # its tensors counted first, nothing allocated
+        with torch.device("meta"):
+            sized = instantiate(dict(variant_cfg))
+    except Exception:  # a bad option, or an __init__ that reads tensors' values (not on meta): said below
+        sized = None
+    if isinstance(sized, variants.Attention):
+        check_fits(f"variant {sized.name}'s parameters and buffers", tensor_bytes(sized),
+                   "options whose tensors fit (linear: E and F hold proj_dim × max_seq_len numbers each)")
     try:
         attn = instantiate(dict(variant_cfg))
     except InstantiationException as e:
@@ -76,6 +85,7 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> tuple[Settings, variants.At
     if settings.task is not None:
         for n in settings.seq_lens:  # the task's own checks at every length, before anything is written
             task_config(settings, n)
+        check_task_model(attn, settings)
     check_memory_budget(settings, device)
     distributed.check(settings, attn, device)
     return settings, attn, device

@@ -15,7 +15,7 @@ import variants
 from variants import VariantError
 
 from ..config import ConfigError, Settings, one_line
-from ..memory import release_memory
+from ..memory import check_fits, release_memory, tensor_bytes
 
 
 def task_config(settings: Settings, seq_len: int):
@@ -115,12 +115,38 @@ def point_fidelity(attn: variants.Attention, s: Settings, seq_len: int, device: 
     return result
 
 
-def train_task(attn: variants.Attention, s: Settings, cfg, device: torch.device, task_log) -> dict[str, Any]:
-    from .task import train_mqar
-
+def model_options(attn: variants.Attention, cfg) -> dict[str, Any]:
+    """The options of each attention layer of the task's model: the variant's, with the model's heads."""
     options = dataclasses.asdict(attn.options)
     if options.get("num_heads") is not None:
         options["num_heads"] = cfg.n_heads  # linear share=none: one E_h, F_h per head of the task's model
+    return options
+
+
+def check_task_model(attn: variants.Attention, s: Settings) -> None:
+    """The task's model at the longest length must fit in memory with its gradients and Adam's two
+    moments (four copies of its parameters); counted on the meta device at 1 and 2 layers, the others
+    by the difference, so that ``task.n_layers=1e11`` is refused at once, not built for hours."""
+    from .task import build_model
+
+    cfg = max((task_config(s, n) for n in s.seq_lens), key=lambda c: c.seq_len)
+
+    def size(n_layers: int) -> int:
+        with torch.device("meta"):
+            return tensor_bytes(build_model(type(attn), model_options(attn, cfg), dataclasses.replace(cfg, n_layers=n_layers)))
+    try:
+        one, two = size(1), size(2)
+    except Exception:  # a variant whose __init__ reads tensors' values (not on meta): not counted
+        return
+    check_fits(f"task=mqar's model (n_layers={cfg.n_layers}, d_model={cfg.d_model}, vocab_size={cfg.vocab_size}, "
+               f"seq_len={cfg.seq_len}), its gradients and Adam's moments", 4 * (one + (cfg.n_layers - 1) * (two - one)),
+               "task sizes whose model fits")
+
+
+def train_task(attn: variants.Attention, s: Settings, cfg, device: torch.device, task_log) -> dict[str, Any]:
+    from .task import train_mqar
+
+    options = model_options(attn, cfg)
     out = train_mqar(type(attn), options, cfg, log=task_log, device=device)  # the class: any _target_ trains
     return {"task_seq_len": cfg.seq_len, "task_accuracy": out["task_accuracy"], "task_loss": out["task_loss"],
             "task_no_recall_accuracy": out["no_recall_accuracy"], "task_train_s": out["train_seconds"]}
