@@ -482,37 +482,57 @@ def positive_arg(kind: type, zero: bool = False) -> Callable[[str], int | float]
 def output_dir_arg(text: str) -> Path:
     """An argparse type for the scripts' --out: a directory results can be written to (made when missing);
     a file, a path under one or in a read-only place is refused in one line before anything runs, not by
-    mkdir's traceback once the measurements are done."""
+    mkdir's traceback once the measurements are done. Absolute: a script's harness runs in the repository,
+    and its results go where the caller named them; an empty name (an unset variable) is refused, not the
+    current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a directory path; got {text!r}")
     try:
         check_output_dir(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return Path(text)
+    return Path(text).absolute()
 
 
 def ctrl_c_is_one_line(main: Callable[[], int | None], name: str, after: str) -> int | None:
-    """``main()`` of a script, a Ctrl-C ending it in one line (``NAME: interrupted (Ctrl-C); AFTER``) and
-    exit 130 (the shell's code for SIGINT) instead of a KeyboardInterrupt's traceback."""
+    """``main()`` of a script, a Ctrl-C or SIGTERM ending it in one line (``NAME: interrupted (Ctrl-C);
+    AFTER``) and exit 130 or 143 (the shell's codes) instead of a KeyboardInterrupt's traceback, or a
+    SIGTERM's silent end. (Before, while its imports ran: harness.signals.exit_at_startup_interrupts.)"""
+    import signal
+
+    from .signals import Terminated
+
+    def terminate(signum, frame) -> None:
+        raise Terminated()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, terminate)
     try:
         return main()
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted (Ctrl-C); {after}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        kind, code = (e.NAME, e.EXIT_CODE) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        print(f"{name}: interrupted ({kind}); {after}", file=sys.stderr)
+        return code
 
 
 def wait_through_ctrl_c(proc, grace_s: float = 30.0) -> int:
     """The exit code of a harness the script started. A Ctrl-C at a terminal reaches the harness too, which
     records its run as interrupted and ends with its own line: it is waited for (``grace_s``, then sent the
     SIGINT it missed: the Ctrl-C was the script's alone, ``kill -INT``), never killed halfway through
-    writing that; the caller exits with its code."""
+    writing that; the caller exits with its code. A SIGTERM (``kill``, a scheduler's cancel) reaches the
+    script alone: it is passed on, and the harness, as with Ctrl-C, waited for (not left measuring on
+    its own, holding its directory)."""
     import signal
     import subprocess
+
+    from .signals import Terminated
 
     timeout = None
     while True:
         try:
             return proc.wait(timeout=timeout)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            if isinstance(e, Terminated):
+                proc.send_signal(signal.SIGTERM)
             timeout = grace_s
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGINT)

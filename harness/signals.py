@@ -6,6 +6,9 @@ instead of the one line and exit code of an interrupt. harness.run takes these n
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 from contextlib import contextmanager
 
 
@@ -59,3 +62,16 @@ def interrupts_deferred():
     finally:
         _DEFERRED.pop()
     raise_pending_interrupt()
+
+
+def exit_at_startup_interrupts(name: str) -> None:
+    """A script's first call, before its imports (torch's take seconds): a Ctrl-C or SIGTERM landing
+    there ends it at once in one line, exit 130 or 143, nothing having been measured or written (a
+    KeyboardInterrupt raised inside torch's import is a traceback). harness.config.ctrl_c_is_one_line,
+    around the script's main, then puts back the handlers that end a measurement in order."""
+    def handler(signum, frame) -> None:
+        kind = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        print(f"{name}: interrupted ({kind}) while starting; nothing was written", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)

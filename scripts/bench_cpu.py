@@ -29,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from harness.signals import exit_at_startup_interrupts  # noqa: E402
+
+exit_at_startup_interrupts("bench_cpu.py")
 
 # No torch here (harness.env imports it): the command line is checked, and the process re-executed with
 # ALLOCATOR_ENV, before torch's import (seconds) is paid, and paid once.

@@ -59,6 +59,9 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]  # the harness, and this script's two modules
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+from harness.signals import exit_at_startup_interrupts  # noqa: E402
+
+exit_at_startup_interrupts("bench_gpu.py")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -69,6 +72,7 @@ from bench_gpu_summary import (COMPARED, EXPONENT_TARGETS, TABLE21, d_done, invo
 from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import device_name, now  # noqa: E402
 from harness.results import latest, read_jsonl, write_json  # noqa: E402
+from harness.signals import Terminated  # noqa: E402
 
 STEPS = ("roof", "c-targets", "d", "a-targets", "c", "a")
 CHILDREN = {"roof": part_roof, "d:overhead": part_overhead, "d:public": part_public}  # steps of this script's own
@@ -305,13 +309,10 @@ def run_step(ctx: Context, step: Step) -> None:
             rc = proc.wait(timeout=None if ctx.left() == float("inf") else max(1.0, ctx.left() + grace))
             spent = rc == BUDGET_SPENT and step.preset is None
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                rc = proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
-            spent = True
+            rc, spent = stop(proc), True
+        except KeyboardInterrupt as e:  # Ctrl-C reached the step too (one process group); SIGTERM is passed on
+            stop(proc, signal.SIGTERM if isinstance(e, Terminated) else None)
+            raise
         ctx.finish(step.name, "complete" if rc == 0 else "interrupted by the budget" if spent else f"exit {rc}")
         if spent:
             return ctx.log(f"[{step.name}] interrupted by the budget: run again to continue")
@@ -320,6 +321,18 @@ def run_step(ctx: Context, step: Step) -> None:
         if rc == 0 or attempt == 2 or ctx.left() < 60:
             return
         ctx.log(f"[{step.name}] exit {rc}: once more, resuming")
+
+
+def stop(proc: subprocess.Popen, sig: int | None = signal.SIGTERM) -> int:
+    """Ends a step's process as a budget or an interrupt does: ``sig`` (None: it has its own, a Ctrl-C),
+    30 s for it to record where it stopped, then a kill. Its exit code."""
+    if sig is not None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def compiled(step: Step) -> bool:

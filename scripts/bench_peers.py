@@ -25,13 +25,17 @@ Pairs (ours / peer):
                   projections (linformer takes one key/value input: both sides get v = k)
 
 The SDPA pairs need nothing beyond the project; the others need the peers: pip install -e ".[peers]".
-Writes <out>/results.json (every measurement) and <out>/table.md (ratios, machine facts).
+Writes <out>/results.json (every measurement) and <out>/table.md (ratios, machine facts), after each pair:
+a pair and N measured again replaces its earlier row, the others are kept (an --only run adds its pairs
+to the table; a run interrupted, then rerun, loses nothing it had measured). A directory of another
+machine's rows, or one another run is writing, is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -39,7 +43,9 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the project, and bench_cpu beside this script
+from harness.signals import exit_at_startup_interrupts  # noqa: E402
 
+exit_at_startup_interrupts("bench_peers.py")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -49,7 +55,7 @@ from harness.config import MeasureOptions, ctrl_c_is_one_line, one_line_errors, 
 from harness.env import OtherLoad, collect, now  # noqa: E402
 from harness.measure import time_fn  # noqa: E402
 from harness.memory import peak_memory  # noqa: E402
-from harness.results import write_json  # noqa: E402
+from harness.results import DirectoryLock, LockedError, atomic_write, machine, write_json  # noqa: E402
 
 B, H, D = 1, 4, 64
 MAX_SPREAD = 0.10  # rounds whose time ratios differ by more than this: the point is starred
@@ -269,21 +275,52 @@ def main() -> None:
         print(f"bench_peers: skipping {why}", file=sys.stderr)
     opts = MeasureOptions(min_run_time=args.min_run_time, passes=("fwd_bwd",))
     env = collect(torch.device("cpu")).as_dict()
-    started, rows = now(), []
     args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = DirectoryLock(args.out).acquire()
+    except LockedError as e:
+        ap.error(f"--out {e}")
+    earlier = earlier_rows(args.out / "results.json", env, ap)
+    started, rows = now(), []
     for N in args.seq_lens:  # interleaved: every pair at one N before the next N
         for pair in pairs:
             row = run_pair(pair, N, opts, args.rounds, args.max_other_cores)
             rows.append(row)
             print(f"{pair:16s} N={N:6d} time {row['time_ratio']:.2f}x  memory {row['mem_ratio']:.2f}x"
                   f"{'  (noisy)' if row['noisy'] else ''}", flush=True)
-            # Written after every pair, so an interrupted run keeps what it measured.
+            # Written after every pair, so an interrupted run keeps what it measured, and the earlier rows
+            # it has not measured again
+            done = {(r["pair"], r["seq_len"]) for r in rows}
+            kept = sorted([r for r in earlier if (r["pair"], r["seq_len"]) not in done] + rows,
+                          key=lambda r: (list(PAIRS).index(r["pair"]), r["seq_len"]))
             write_json(args.out / "results.json", {"started": started, "finished": now(), "env": env,
                                                    "workload": {"B": B, "H": H, "D": D, "dtype": "float32"},
-                                                   "min_run_time": args.min_run_time, "rows": rows})
-            (args.out / "table.md").write_text(table(rows, env, args))
+                                                   "min_run_time": args.min_run_time, "rows": kept})
+            atomic_write(args.out / "table.md", table(kept, env, args))
+    lock.release()
     print((args.out / "table.md").read_text())
 
 
+def earlier_rows(path: Path, env: dict, ap: argparse.ArgumentParser) -> list[dict]:
+    """The rows an earlier run wrote to ``path`` (none where there is no file), kept beside this run's;
+    a file this script did not write, or of another machine (its table states one), is refused."""
+    if not path.exists():
+        return []
+    try:
+        old = json.loads(path.read_bytes())
+        rows = old["rows"]
+        assert isinstance(rows, list) and all({"pair", "seq_len"} <= set(r) for r in rows)
+        where = machine({**old["env"], "device": "cpu"})
+    except (ValueError, KeyError, TypeError, AssertionError):
+        ap.error(f"--out {path} is not a results.json this script wrote (give another --out, or move it away)")
+    if where != machine({**env, "device": "cpu"}):
+        ap.error(f"--out {path.parent} holds measurements of another machine ({where[0]}, {where[1]} threads) and "
+                 f"this is {env['device_name']} ({env['num_threads']} threads): give another --out")
+    if rows:
+        print(f"bench_peers: keeping {len(rows)} earlier row(s) of {path} (a pair and N measured again replaces its row)")
+    return rows
+
+
 if __name__ == "__main__":
-    sys.exit(ctrl_c_is_one_line(main, "bench_peers.py", "results.json and table.md hold the pairs measured before it"))
+    sys.exit(ctrl_c_is_one_line(main, "bench_peers.py", "results.json and table.md hold the pairs measured before "
+                                "it, and the earlier runs' rows"))

@@ -82,8 +82,19 @@ rc=0
 # hydra.mode=MULTIRUN itself, so a comma sweep (variant=full,linear) runs with or without the flag;
 # it is given so that the run is a multirun whatever the preset says. (Without a preset, a comma sweep
 # needs -m: `python -m harness variant=full,linear` alone fails with Hydra's "Ambiguous value".)
+# In the background, waited for: a SIGTERM to this script (kill, a scheduler's cancel) is passed on, and
+# the harness records its jobs interrupted and ends before this script does, not left running on its
+# own; a Ctrl-C at a terminal reaches both (one process group), and the harness is waited for.
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
-    "$PYTHON" -m harness --multirun "sweep=$PRESET" ${args[@]+"${args[@]}"} "hydra.sweep.dir=$SWEEP_ARG" || rc=$?
+    "$PYTHON" -m harness --multirun "sweep=$PRESET" ${args[@]+"${args[@]}"} "hydra.sweep.dir=$SWEEP_ARG" &
+harness=$!
+trap 'kill -TERM "$harness" 2>/dev/null || true' TERM
+trap ':' INT
+while :; do
+    wait "$harness" && rc=0 || rc=$?
+    kill -0 "$harness" 2>/dev/null || break  # a signal ended the wait, not the harness: wait again
+done
+trap - TERM INT
 
 if [[ "$SWEEP_DIR" == *'${'* ]]; then  # an interpolation (${now:...}): Hydra's log above names the dir
     echo "sweep $PRESET -> $SWEEP_DIR, as Hydra resolved it (exit $rc)"

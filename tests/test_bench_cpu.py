@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -67,27 +68,47 @@ def test_two_variants_at_two_lengths(tmp_path):
     assert all(summary.count(f"| {name} |") == 5 for name in names) and "| full_sdpa |" not in summary
 
 
-def test_ctrl_c_ends_the_harness_it_runs_as_interrupted_in_its_one_line(tmp_path):
+@pytest.mark.parametrize("name, code", [("Ctrl-C", 130), ("SIGTERM", 143)])
+def test_an_interrupt_ends_the_harness_it_runs_as_interrupted_in_its_one_line(tmp_path, name, code):
     """Ctrl-C reaches the script and the harness it runs: the harness records its run interrupted and says
     so in one line, and the script waits for it and exits with its code (it printed a KeyboardInterrupt
-    traceback, and its wait could kill the harness while that wrote its status). The memory budget of a few
-    megabytes reaches the harness as given (it was rounded to 0.00 GB, which the harness refuses): the
-    points, 1.6 and 3.5 MB of analytic memory, are within it."""
+    traceback, and its wait could kill the harness while that wrote its status). A SIGTERM reaches the
+    script alone: it is passed on, and ends alike (the script ended at once, the harness measuring on
+    unattended). The memory budget of a few megabytes reaches the harness as given (it was rounded to
+    0.00 GB, which the harness refuses): the points, 1.6 and 3.5 MB of analytic memory, are within it.
+    A relative --out is the caller's (the harness, run in the repository, wrote there, and the script
+    then failed to find its rows)."""
     cmd = [sys.executable, str(SCRIPT), "--only", "sliding_window", "--seq-lens", "128", "256", "--min-run-time",
-           "0.3", "--out", str(tmp_path), "--wait-s", "0", "--rounds", "1", "--memory-budget-gb", "0.0049"]
+           "0.3", "--out", "out", "--wait-s", "0", "--rounds", "1", "--memory-budget-gb", "0.0049"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "WANDB_MODE": "disabled"})
-    rows = tmp_path / "sliding_window" / "results.jsonl"
+                            cwd=tmp_path, env={**os.environ, "WANDB_MODE": "disabled"})
+    rows = tmp_path / "out" / "sliding_window" / "results.jsonl"
     deadline = time.monotonic() + 120
     while not (rows.exists() and rows.read_text().strip()) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)  # the first point measured: the harness is measuring the next
-    assert proc.poll() is None, "it ended before Ctrl-C: " + proc.communicate()[1][-2000:]
-    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground process group
+    assert proc.poll() is None, "it ended before the interrupt: " + proc.communicate()[1][-2000:]
+    if name == "Ctrl-C":
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground process group
+    else:
+        proc.send_signal(signal.SIGTERM)  # kill, a scheduler's cancel: the script alone
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
-    assert err.splitlines()[-1].startswith("error: interrupted (Ctrl-C) after 1 of 2 points; rerun"), err[-2000:]
-    assert json.loads((tmp_path / "sliding_window" / "status.json").read_text())["state"] == "interrupted"
+    assert proc.returncode == code and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1].startswith(f"error: interrupted ({name}) after 1 of 2 points; rerun"), err[-2000:]
+    assert json.loads((tmp_path / "out" / "sliding_window" / "status.json").read_text())["state"] == "interrupted"
     assert [json.loads(line)["status"] for line in rows.read_text().splitlines()] == ["ok"]
+    assert not running(f"hydra.run.dir={tmp_path}")  # the harness ended before the script
+
+
+def running(text: str) -> list[str]:
+    """The processes whose command line holds ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(proc.name)
+        except OSError:  # ended meanwhile
+            pass
+    return found
 
 
 def refusal(tmp_path, *args: str) -> str:
@@ -115,6 +136,11 @@ def test_an_out_that_is_a_file_is_one_line(tmp_path):
     assert refusal(tmp_path, "--out", str(tmp_path / "file")) == (
         f"bench_cpu.py: error: argument --out: cannot write results to {tmp_path / 'file'}: {tmp_path / 'file'} "
         "is a file, not a directory; see --help\n")
+
+
+def test_an_empty_out_is_one_line(tmp_path):
+    """It was the current directory: the harness, run in the repository, wrote its rows there."""
+    assert refusal(tmp_path, "--out", "") == "bench_cpu.py: error: argument --out: must be a directory path; got ''; see --help\n"
 
 
 def test_what_the_harness_refuses_is_its_one_line_and_exit_code(tmp_path):

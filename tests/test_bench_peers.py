@@ -27,7 +27,9 @@ def run(tmp_path, pairs, seq_lens=("256",), rounds=1):
 
 
 def test_ctrl_c_is_one_line_and_keeps_the_pairs_measured(tmp_path):
-    """It was a KeyboardInterrupt's traceback. results.json is written after every pair: the first stays."""
+    """It was a KeyboardInterrupt's traceback. results.json is written after every pair: the first stays,
+    and so it does through the rerun of the pair interrupted (each run rewrote both files with its own
+    rows only)."""
     cmd = [sys.executable, str(SCRIPT), "--seq-lens", "256", "--min-run-time", "0.3", "--rounds", "1",
            "--out", str(tmp_path), "--only", "sparse_fixed", "blockwise_exact"]
     # SIGINT as a terminal's foreground process has it: a suite started in the background (`cmd &` in a
@@ -41,8 +43,19 @@ def test_ctrl_c_is_one_line_and_keeps_the_pairs_measured(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (130, "bench_peers.py: interrupted (Ctrl-C); results.json and table.md hold "
-                                           "the pairs measured before it\n"), err[-2000:]
+                                           "the pairs measured before it, and the earlier runs' rows\n"), err[-2000:]
     assert [r["pair"] for r in json.loads((tmp_path / "results.json").read_text())["rows"]] == ["sparse_fixed"]
+    res, done = run(tmp_path, ["blockwise_exact"])
+    assert "keeping 1 earlier row(s)" in done.stdout
+    check(res["rows"], ["blockwise_exact", "sparse_fixed"])  # PAIRS' order
+    assert "sparse_fixed / SDPA + mask (time)" in (tmp_path / "table.md").read_text()
+    # another machine's directory is refused, not mixed into one table
+    other = json.loads((tmp_path / "results.json").read_text())
+    (tmp_path / "results.json").write_text(json.dumps({**other, "env": {**other["env"], "device_name": "Another CPU"}}))
+    cmd = [sys.executable, str(SCRIPT), "--seq-lens", "256", "--out", str(tmp_path), "--only", "sparse_fixed"]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-2000:]
+    assert "holds measurements of another machine (Another CPU" in refused.stderr
 
 
 def check(rows, pairs):

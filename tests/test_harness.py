@@ -733,6 +733,25 @@ def test_a_module_the_machine_cannot_hold_is_refused_before_it_is_built(tmp_path
 
 
 @pytest.mark.parametrize("signum,code,name", [(2, 130, "Ctrl-C"), (15, 143, "SIGTERM")])
+def test_a_signal_while_a_script_imports_is_one_line(tmp_path, signum, code, name):
+    """The scripts (bench_cpu, bench_peers, bench_gpu, harness.report) import torch or matplotlib for
+    seconds before their main: a Ctrl-C there was a KeyboardInterrupt's traceback, a SIGTERM a silent end."""
+    script = f"""
+import os, sys
+from harness.signals import exit_at_startup_interrupts
+exit_at_startup_interrupts("some_script.py")
+os.kill(os.getpid(), {signum})
+import time
+time.sleep(30)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (proc.returncode, proc.stdout + proc.stderr) == (
+        code, f"some_script.py: interrupted ({name}) while starting; nothing was written\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("signum,code,name", [(2, 130, "Ctrl-C"), (15, 143, "SIGTERM")])
 @pytest.mark.parametrize("swallowed", [False, True])
 def test_a_signal_while_torch_is_imported_at_startup_is_one_line(tmp_path, signum, code, name, swallowed):
     """Ctrl-C or SIGTERM landing inside torch's import (the command line's check imports it): the handler

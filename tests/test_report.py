@@ -607,7 +607,26 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     job_rows = (good / "0" / "results.jsonl").read_text()
     _one_line_error(cli("harness.report", good, "--out", good / "0"), "holds results")
     assert not (good / "0" / "results.csv").exists() and (good / "0" / "results.jsonl").read_text() == job_rows
-    assert not (good / "report").exists()
+    _one_line_error(cli("harness.report", good, "--out", ""), "--out must be a directory path; got ''")  # was "."
+    assert not (good / "report").exists() and not (ROOT / "report.html").exists()
+
+
+def test_a_report_interrupted_half_way_leaves_its_out_as_it_was(tmp_path):
+    """The report is drawn beside --out and moved there whole: an interrupt (or a failure) half way left a
+    few new plots beside an older report.html, or a new --out with only some of them."""
+    sweep = write_sweep(tmp_path / "s", [[row("full", "sdpa", 128, fwd=1.0, mem=1), row("full", "sdpa", 256, fwd=4.0, mem=1)]])
+    out = tmp_path / "out"
+    assert report.main([str(sweep), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def interrupted(stage):
+        (stage / "fwd_ms.png").write_bytes(b"half")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        report.staged(out, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        report.staged(tmp_path / "new", interrupted)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and sorted(os.listdir(tmp_path)) == ["out", "s"]
 
 
 @pytest.mark.parametrize("field, value, problem", [

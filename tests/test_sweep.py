@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -127,6 +128,28 @@ def test_a_missing_or_unknown_command_is_one_line_and_help_the_usage(tmp_path, s
     usage = run("--help")
     assert usage.returncode == 0 and usage.stderr.startswith(f"scripts/{script} ") and len(lines(usage)) > 10
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sigterm_to_the_script_ends_the_sweep_it_runs_as_interrupted(tmp_path):
+    """kill (or a scheduler's cancel) reaches sweep.sh alone: it passes it on, and the harness records its
+    job interrupted and ends before the script, which says where the sweep is (the harness went on
+    measuring unattended, holding its directory, and the script ended with bash's "Terminated")."""
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.Popen(["bash", str(SWEEP_SH), "cpu_small", "variant=full", "seq_lens=[32,64,128,256,512,1024]",
+                             "num_heads=1", "head_dim=8", "measure.min_run_time=0.3", "fidelity.enabled=false",
+                             "logger=none", f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not any(p.read_text().strip() for p in sweep_dir.glob("*/results.jsonl")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-2000:]
+        time.sleep(0.05)  # the first point measured
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0].splitlines()
+    assert proc.returncode == 143, out[-10:]
+    assert out[-3].startswith("error: interrupted (SIGTERM) after ") and out[-2:] == [
+        f"sweep cpu_small -> {sweep_dir} (exit 143)", f"report: {sys.executable} -m harness.report {sweep_dir}"], out[-10:]
+    (status,) = sweep_dir.glob("*/status.json")
+    assert json.loads(status.read_text())["state"] == "interrupted"
 
 
 def test_harness_exit_code_propagates(tmp_path):

@@ -2,6 +2,12 @@
 
 import sys
 
-from .sweep import main
+from harness.signals import exit_at_startup_interrupts
 
-sys.exit(main())
+exit_at_startup_interrupts("report")  # before matplotlib's and torch's imports
+
+from harness.config import ctrl_c_is_one_line  # noqa: E402
+
+from .sweep import main  # noqa: E402
+
+sys.exit(ctrl_c_is_one_line(main, "report", "--out is as it was (a report is moved there whole)"))

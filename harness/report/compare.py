@@ -265,4 +265,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from harness.config import ctrl_c_is_one_line
+
+    sys.exit(ctrl_c_is_one_line(main, "compare", "nothing was written"))

@@ -30,7 +30,7 @@ import sys
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..config import ConfigError, check_output_dir, one_line_errors
 from ..results import (REPORT_DIR, SLOW, atomic_write, from_timings, loglog_slope, noisy_passes, untrusted,
@@ -481,6 +481,27 @@ def log_wandb(out: Path, sweep: Path, images: dict[str, Path], rows: Rows, table
         logger.log(payload)  # after the steps of an earlier report into the same run
 
 
+def staged(out: Path, make: Callable[[Path], tuple[Rows, dict[str, tuple], dict[str, Path]]]
+           ) -> tuple[Rows, dict[str, tuple], dict[str, Path]]:
+    """``make``'s report, drawn into a scratch directory beside ``out`` (drawing takes seconds a plot) and
+    moved into ``out`` once whole: a report interrupted or failing half way leaves ``out`` as it was, not
+    a few new plots beside an older report.html."""
+    import os
+    import shutil
+    import tempfile
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        rows, tables, images = make(stage)
+        out.mkdir(exist_ok=True)
+        for f in sorted(stage.iterdir(), key=lambda f: f.name == "results.csv"):  # results.csv last, as written
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return rows, tables, {title: out / path.name for title, path in images.items()}
+
+
 def make_report(sweep: Path, out: Path, fit_from: int = 0) -> tuple[Rows, dict[str, tuple], dict[str, Path]]:
     """The report of every row under ``sweep`` into ``out``; exponents fitted over N >= ``fit_from``."""
     rows = load_rows(sweep)  # first: bad input fails before the slow imports
@@ -546,7 +567,7 @@ def _print_table(title: str, head: list[str], body: list[list[Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dir", type=Path, help="a run or sweep directory (results.jsonl found recursively)")
-    p.add_argument("--out", type=Path, default=None, help="output directory (default: SWEEP_DIR/report)")
+    p.add_argument("--out", default=None, help="output directory (default: SWEEP_DIR/report)")
     p.add_argument("--fit-from", default="0", metavar="N",
                    help="fit the exponents over N and longer only (default: every length)")
     p.add_argument("--wandb", action="store_true", help="also log the plots and tables to wandb")
@@ -558,7 +579,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.fit_from.isascii() or not args.fit_from.isdigit():
         p.error(f"--fit-from must be a sequence length (a whole number >= 0), got {args.fit_from!r}")
-    out = args.out or args.sweep_dir / REPORT_DIR
+    if args.out is not None and not args.out.strip():  # an unset variable: not the current directory
+        p.error(f"--out must be a directory path; got {args.out!r}")
+    out = Path(args.out) if args.out is not None else args.sweep_dir / REPORT_DIR
     if out.exists() and not out.is_dir():
         p.error(f"--out {out} is a file (it names the report's directory)")
     try:  # a name past the filesystem's limit, an unwritable place: said before any file is made
@@ -576,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--out {out} holds results (a results.jsonl, or a results.csv no report wrote), which the "
                 f"report's results.csv would replace; choose another directory")
     try:
-        rows, tables, images = make_report(args.sweep_dir, out, int(args.fit_from))
+        rows, tables, images = staged(out, lambda stage: make_report(args.sweep_dir, stage, int(args.fit_from)))
     except (InputError, OSError) as err:  # OSError: e.g. --out is a file or not writable
         print(f"report: error: {err}", file=sys.stderr)
         return 2
