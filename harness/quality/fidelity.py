@@ -91,6 +91,7 @@ def _with_grads(attn: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, causal: 
     return out.detach(), grads
 
 
+@torch.no_grad()  # a number: no graph (adaptive_span's predicate reads its trainable spans)
 def mass_kept(attn: Attention, q: Tensor, k: Tensor, causal: bool, block_size: int = 256) -> float | None:
     """Share of the exact softmax probability (causal softmax when ``causal``) on pairs the variant
     allows, averaged over every query row of every batch and head; None for variants without a mask.
