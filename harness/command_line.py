@@ -189,15 +189,13 @@ def variant_and_task_checks(settings) -> None:
     from variants import VariantError
 
     from harness.config import ConfigError
-    from harness.quality import check_task_model, task_config
+    from harness.quality import check_task
     from harness.run import build_variant
 
     try:
         attn = build_variant(settings.variant)
         if settings.task is not None:
-            for n in settings.seq_lens:
-                task_config(settings, n)
-            check_task_model(attn, settings)
+            check_task(attn, settings)
     except VariantError as e:
         raise ConfigError(str(e)) from None
 

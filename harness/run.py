@@ -26,7 +26,7 @@ from .console import Display
 from .logger import sweep_group_name, wandb_run
 from .measure import measure_point, noise, noise_fields, retry_helps, spare_cores, timer_name
 from .memory import check_fits, device_lost, is_out_of_memory, release_memory, tensor_bytes
-from .quality import check_task_model, quality, task_config, task_options
+from .quality import check_task, quality, task_config, task_options
 from .results import (BACKWARD_FLOPS_FACTOR, FIELDS, OPT_PREFIX, SLOW, TASK_OPT_PREFIX, JobStatus, LockedError,
                       Result, ResultStore, Sink, Sweep, fit_exponents, machine, point_key, series_key, tflops,
                       write_json)
@@ -83,9 +83,7 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> tuple[Settings, variants.At
         raise ConfigError(f"inputs=local needs an even head_dim (cos/sin pairs); got head_dim={settings.head_dim}; "
                           f"allowed inputs here: gaussian, peaked")
     if settings.task is not None:
-        for n in settings.seq_lens:  # the task's own checks at every length, before anything is written
-            task_config(settings, n)
-        check_task_model(attn, settings)
+        check_task(attn, settings)
     check_memory_budget(settings, device)
     distributed.check(settings, attn, device)
     return settings, attn, device

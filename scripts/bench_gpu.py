@@ -266,8 +266,12 @@ def d_steps(ctx: Context) -> list[Step]:
 def seq_lens(preset: str, overrides: list[str] | tuple[str, ...]) -> list[int]:
     """The lengths a sweep of ``preset`` with ``overrides`` runs: the overrides' own seq_lens, else the preset's."""
     own = [o for o in overrides if o.startswith("seq_lens=")]
-    return (yaml.safe_load(own[-1].split("=", 1)[1]) if own else
-            yaml.safe_load((ROOT / "conf" / "sweep" / f"{preset}.yaml").read_text())["seq_lens"])
+    return yaml.safe_load(own[-1].split("=", 1)[1]) if own else preset_config(preset)["seq_lens"]
+
+
+def preset_config(name: str) -> dict:
+    """conf/sweep/<name>.yaml."""
+    return yaml.safe_load((ROOT / "conf" / "sweep" / f"{name}.yaml").read_text())
 
 
 def with_seq_lens(preset: str, overrides: list[str], keep: Callable[[int], bool]) -> list[str]:
@@ -349,7 +353,7 @@ def pending_points(ctx: Context, step: Step) -> list[tuple]:
     its jobs are the product of the GRID keys' values (the step's overrides, else the preset's sweeper
     params; a key given in neither is not checked), each with the sweep's lengths. Every point of a
     finished sweep has its row, an oom's or a skipped one's too."""
-    params = yaml.safe_load((ROOT / "conf" / "sweep" / f"{step.preset}.yaml").read_text())["hydra"]["sweeper"]["params"]
+    params = preset_config(step.preset)["hydra"]["sweeper"]["params"]
     given = {**{k: str(v) for k, v in params.items()}, **dict(o.split("=", 1) for o in step.overrides if "=" in o)}
     grid = {k: [yaml.safe_load(v) for v in given[k].split(",")] for k in GRID if k in given}
     held = {(*[r.get(GRID[k]) for k in grid], r["seq_len"]) for path in (ctx.out / step.directory).rglob("results.jsonl")

@@ -308,10 +308,10 @@ def earlier_rows(path: Path, env: dict, ap: argparse.ArgumentParser) -> list[dic
         return []
     try:
         old = json.loads(path.read_bytes())
-        rows = old["rows"]
-        assert isinstance(rows, list) and all({"pair", "seq_len"} <= set(r) for r in rows)
-        where = machine({**old["env"], "device": "cpu"})
-    except (ValueError, KeyError, TypeError, AssertionError):
+        rows, where = old["rows"], machine({**old["env"], "device": "cpu"})
+        if not (isinstance(rows, list) and all(isinstance(r, dict) and {"pair", "seq_len"} <= set(r) for r in rows)):
+            raise ValueError("no rows")
+    except (ValueError, KeyError, TypeError):
         ap.error(f"--out {path} is not a results.json this script wrote (give another --out, or move it away)")
     if where != machine({**env, "device": "cpu"}):
         ap.error(f"--out {path.parent} holds measurements of another machine ({where[0]}, {where[1]} threads) and "

@@ -123,10 +123,11 @@ def model_options(attn: variants.Attention, cfg) -> dict[str, Any]:
     return options
 
 
-def check_task_model(attn: variants.Attention, s: Settings) -> None:
-    """The task's model at the longest length must fit in memory with its gradients and Adam's two
-    moments (four copies of its parameters); counted on the meta device at 1 and 2 layers, the others
-    by the difference, so that ``task.n_layers=1e11`` is refused at once, not built for hours."""
+def check_task(attn: variants.Attention, s: Settings) -> None:
+    """The task's options at every length (task_config), before anything is written; and its model at
+    the longest must fit in memory with its gradients and Adam's two moments (four copies of its
+    parameters): counted on the meta device at 1 and 2 layers, the others by the difference, so that
+    ``task.n_layers=1e11`` is refused at once, not built for hours."""
     from .task import build_model
 
     cfg = max((task_config(s, n) for n in s.seq_lens), key=lambda c: c.seq_len)
