@@ -108,7 +108,8 @@ BOUND_CASES = [("blockwise", {"block_size": 128}), ("blockwise", {"mode": "local
 @pytest.mark.parametrize("name,options", BOUND_CASES, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.values())))
 def test_analytic_memory_bounds_the_measured_peak(name, options):
     """The analytic figure (the CPU budget's skip rule and fit.json's theory) is an upper bound of the
-    measured peak and a close one, in float32 and bfloat16 (the engine's and reformer's float32 tiles and
+    measured peak, to the byte but for the 0-dim float64 of the Python scale the dense paths keep (a host
+    tensor, docs/measurement.md), and a close one, in float32 and bfloat16 (the engine's and reformer's float32 tiles and
     accumulators, SDPA math's float32 scores), N a multiple of the blocks or not (padded copies), one head
     or several (tiles of one or many rows), with the bool masks the dense paths keep."""
     attn = variants.build(name, **options)
@@ -124,7 +125,7 @@ def test_analytic_memory_bounds_the_measured_peak(name, options):
             step()
             measured = cpu_peak_bytes(step)
             analytic = attn.memory_bytes(b, h, n, d, torch.empty((), dtype=dtype).element_size(), causal=True)
-            assert measured <= 1.001 * analytic <= 1.3 * measured, (b, h, n, d, dtype, measured, analytic)
+            assert measured <= analytic + 8 and analytic <= 1.3 * measured, (b, h, n, d, dtype, measured, analytic)
 
 
 def test_a_cpu_peak_imports_no_compiler():

@@ -358,8 +358,10 @@ class AdaptiveSpan(Attention):
                      device: torch.device | str | None = None) -> int:
         if self.backend == "flex":
             return element_size * B * H * 8 * N * D  # fused: O(N·D), as the other flex backends
-        if self.backend == "dense":  # plus the (H, N, N) log-mask and what its graph to z keeps (measured)
-            return super().memory_bytes(B, H, N, D, element_size, causal, device) + (3 * element_size + 1) * H * N * N
+        if self.backend == "dense":  # plus the (H, N, N) log-mask and what its graph to z keeps (measured), and
+            # z's cast to the inputs' dtype and its gradient, (H,) each
+            return (super().memory_bytes(B, H, N, D, element_size, causal, device) + (3 * element_size + 1) * H * N * N
+                    + (element_size + 4) * H)
         # The backward's peak, O(N·D) plus one group's tiles (BandAttention). a: the element size of the
         # computation (float32 at least). Per (batch, head): the saved output and log-sum-exp, q·scale, k, v
         # and dO padded, Δ, dq and the padded key and value gradients. Beside them, the loop's tiles (the

@@ -193,8 +193,9 @@ class Reformer(Attention):
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
                      device: torch.device | str | None = None) -> int:
-        if self.backend == "dense":  # plus k̂ = q/‖q‖
-            return super().memory_bytes(B, H, N, D, element_size, causal, device) + element_size * B * H * N * D
+        if self.backend == "dense":  # plus k̂ = q/‖q‖, and ‖q‖ and its clamp kept for the division's backward
+            return (super().memory_bytes(B, H, N, D, element_size, causal, device)
+                    + element_size * B * H * N * (D + 2))
         # Fitted as an upper bound (within 1.52x) to the peaks measured on CPU over bucket sizes 8-64, 1-4
         # rounds, D 8-64, N 1000-16384, float32 and bfloat16, causal and not: the rounds' outputs in sorted
         # and original order, their weighted product and its gradient (4·r·N·D, N padded to whole chunks);
