@@ -306,6 +306,25 @@ def test_a_crossover_cell_says_whether_nothing_ran_at_a_common_n_or_it_was_noisy
     assert {r[0]: r[1:] for r in body} == {"sparse/blocksparse": ["noisy at every N both ran"] * 2,
                                            "linear/math": ["no N timed by both"] * 2,
                                            "blockwise/online": ["256 (faster at every N)"] * 2}
+    # measure.passes=[fwd_bwd]: the forward was never timed, which is not noise
+    untimed = [{**row(v, b, n, fwd=f), "fwd_ms": None, "fwd_iqr_ms": None, "tflops_fwd": None}
+               for v, b, f in (("full", "sdpa", 1.0), ("sparse", "blocksparse", 0.5)) for n in (256, 512)]
+    groups = report.group_series(untimed)
+    _, body = report.crossover_table(groups, report.series_labels(groups))
+    assert [r[1:] for r in body] == [["no N timed by both", "256 (faster at every N)"]], body
+
+
+def test_full_is_its_fastest_backend_and_an_n_where_one_is_noisy_is_left_out():
+    """Where full's fastest backend is noisy at N, full's time there is unknown: not the next backend's, which
+    would credit a variant slower than the fastest one's median with beating full."""
+    noisy = dict(noisy=True, noisy_passes=["fwd", "bwd", "fwd_bwd"], noise_reasons="IQR over the bound")
+    sdpa = [row("full", "sdpa", 256, fwd=1.0), row("full", "sdpa", 512, fwd=4.4, **noisy)]
+    math = [row("full", "math", n, fwd=f) for n, f in ((256, 5.0), (512, 20.0))]
+    window = [row("sliding_window", "dense", n, fwd=f) for n, f in ((256, 3.0), (512, 4.5))]
+    assert report.reference([sdpa, math], "fwd_ms") == {256: 1.0}
+    groups = report.group_series([*sdpa, *math, *window])
+    _, body = report.crossover_table(groups, report.series_labels(groups))
+    assert [r[1:] for r in body] == [["none in range"] * 2], body
 
 
 def test_crossover_and_max_fitting_on_constructed_case():
@@ -474,6 +493,22 @@ def test_compare_status_change_is_a_regression(tmp_path):
     assert res.returncode == 1 and "ok -> oom" in res.stdout
 
 
+def test_a_point_ok_in_one_run_of_a_side_and_oom_in_another_is_judged_the_same_whatever_their_order(tmp_path, capsys):
+    """A side's runs of a point are pooled as the report draws them (its median run: the ok one), not as
+    their directories happen to sort (the last run's status made the verdict)."""
+    from harness.report.compare import main as compare
+
+    a = write_sweep(tmp_path / "a", [[row("full", "sdpa", 64, fwd=1.0, mem=1)]])
+    verdicts = []
+    for first, second in (("ok", "oom"), ("oom", "ok")):
+        side = tmp_path / f"b-{first}-first"
+        for name, status in (("run1", first), ("run2", second)):
+            write_sweep(side / name, [[row("full", "sdpa", 64, status, fwd=1.0, mem=1)]])
+        assert compare([str(a), str(side), "--metric", "fwd_bwd_ms", "--fail-on-regression"]) == 0
+        verdicts.append(next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("full/sdpa")))
+    assert verdicts[0] == verdicts[1] and "REGRESSION" not in verdicts[0], verdicts
+
+
 def test_a_throughput_change_within_its_times_noise_is_within_noise(tmp_path):
     """tflops_fwd is flops / fwd_ms: a change the time's interquartile intervals do not clear is within
     noise for both (the throughput was flagged a regression while its own time was within noise)."""
@@ -608,6 +643,10 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     _one_line_error(cli("harness.report", good, "--out", good / "0"), "holds results")
     assert not (good / "0" / "results.csv").exists() and (good / "0" / "results.jsonl").read_text() == job_rows
     _one_line_error(cli("harness.report", good, "--out", ""), "--out must be a directory path; got ''")  # was "."
+    # --out the directory itself: its results.csv would be read back as one more run of each point
+    only_csv = write_csv_sweep(tmp_path / "csv", [row("full", "sdpa", 64, fwd=1.0, mem=1)])
+    _one_line_error(cli("harness.report", only_csv, "--out", only_csv), "is SWEEP_DIR itself")
+    assert sorted(p.name for p in only_csv.rglob("*") if p.is_file()) == ["results.csv"]
     assert not (good / "report").exists() and not (ROOT / "report.html").exists()
 
 

@@ -29,8 +29,8 @@ import sys
 from typing import Any
 
 from ..config import PASSES, one_line_errors
-from ..results import (SCHEMA, TIME_METRICS, from_timings, latest, machine_name, noisy_passes, read_files,
-                       untrusted, warn_mixed_code)
+from ..results import (SCHEMA, TIME_METRICS, from_timings, latest, machine_name, median_run, noisy_passes,
+                       read_files, untrusted, warn_mixed_code)
 from .collect import InputError, compare_key, environment_fields, number, series_key, series_labels
 
 
@@ -66,13 +66,14 @@ def _interval(runs: list[dict], metric: str) -> tuple[float, float] | None:
 
 
 def pooled(runs: list[dict], metrics: list[str]) -> dict:
-    """One row for a point's runs (the same point in several results files of one side): its last run's
-    row, each metric the median over the ok runs (a timing: over those whose pass is not noisy; the pass
-    noisy only where it is in every ok run). One run: its row as it is."""
+    """One row for a point's runs (the same point in several results files of one side): the row of the
+    run the report draws (``median_run``: an ok one where any is, whichever order the files are read in),
+    each metric the median over the ok runs (a timing: over those whose pass is not noisy; the pass noisy
+    only where it is in every ok run). One run: its row as it is."""
     if len(runs) == 1:
         return runs[0]
-    row = dict(runs[-1])
     ok = [r for r in runs if r.get("status") == "ok"]
+    row = dict(median_run(ok) if ok else runs[-1])
     for m in metrics:
         timed = [r for r in ok if not untrusted(r, m)]
         values = [number(r.get(m)) for r in (timed or ok)]

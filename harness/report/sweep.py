@@ -84,15 +84,19 @@ def series_exponent(rows: Rows, metric: str, fit_from: int = 0) -> float | None:
 
 def reference(full_series: list[Rows], metric: str) -> dict[int, float | None]:
     """N -> the best (smallest) trusted value of ``metric`` over the full backends; None where full
-    failed at N (no backend ok: oom/skipped/error/nonfinite). An N where full ran but this metric was
-    not measured (a pass left out) or is noisy is absent: nothing is known there."""
+    failed at N (no backend ok: oom/skipped/error/nonfinite). An N where full ran but no backend measured
+    this metric (a pass left out), or where one measured it noisy, is absent: nothing is known there (the
+    noisy one may be the fastest: the best of the others is not full's best)."""
     ref: dict[int, float | None] = {}
     ran: set[int] = set()  # N where some full backend was ok, trusted here or not
+    noisy: set[int] = set()  # N where some full backend's value of the metric is untrusted
     for rows in full_series:
         for r in rows:
             v, n = trusted(r, metric), r["seq_len"]
             if r.get("status") == "ok":
                 ran.add(n)
+                if v is None and ok_value(r, metric) is not None:
+                    noisy.add(n)
             if v is not None:
                 if ref.get(n) is None or v < ref[n]:
                     ref[n] = v
@@ -100,7 +104,7 @@ def reference(full_series: list[Rows], metric: str) -> dict[int, float | None]:
                 ref.setdefault(n, None)
     # full failed at N only where no backend ran: one ran, its time unknown (noisy, a pass left out), and
     # another's oom says nothing there
-    return {n: v for n, v in ref.items() if v is not None or n not in ran}
+    return {n: v for n, v in ref.items() if n not in noisy and (v is not None or n not in ran)}
 
 
 def crossover(rows: Rows, ref: dict[int, float | None], metric: str) -> tuple[int | None, bool] | None:
@@ -358,10 +362,10 @@ def crossover_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tu
             continue
         cells = []
         full = [groups[f] for f in refs[_ref_key(s)]]
-        # N at which both ran: where nothing is compared there, it is because a timing there was noisy
-        both = ({r["seq_len"] for r in rows if r.get("status") == "ok"} &
-                {r["seq_len"] for f in full for r in f if r.get("status") == "ok"})
         for metric, _ in SPEEDUP_METRICS:
+            # N at which both timed this pass: where nothing is compared there, a timing there was noisy
+            both = ({r["seq_len"] for r in rows if ok_value(r, metric) is not None} &
+                    {r["seq_len"] for f in full for r in f if ok_value(r, metric) is not None})
             found = crossover(rows, reference(full, metric), metric)
             n, always = found or (None, False)
             cells.append(("no N timed by both" if not both else "noisy at every N both ran") if found is None
@@ -595,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
             check_wandb_mode_env()
         except ValueError as err:
             p.error(str(err))
+    if out.resolve() == args.sweep_dir.resolve():
+        p.error(f"--out {out} is SWEEP_DIR itself, whose results.csv a later report would read as one more run "
+                f"of each point; allowed: a directory inside it or elsewhere (default SWEEP_DIR/{REPORT_DIR})")
     if (out / "results.jsonl").exists() or ((out / "results.csv").exists() and not (out / "report.html").exists()):
         p.error(f"--out {out} holds results (a results.jsonl, or a results.csv no report wrote), which the "
                 f"report's results.csv would replace; choose another directory")
