@@ -78,14 +78,18 @@ def check(settings: Settings, attn, device: torch.device) -> None:
     world size) and of a sequence-parallel run, one line each (run.validate calls it)."""
     attn.check_workload(settings.num_heads)
     P = attn.world_size
+    rv = from_environment()
+    if rv is not None and rv.world_size != P and P == 1:  # each process would run the whole point on its own
+        raise ConfigError(f"{attn.name} runs in one process, but the launcher (torchrun, srun) started "
+                          f"{rv.world_size}; allowed: one process, or a sequence-parallel variant (ring, ulysses) "
+                          f"with variant.world_size={rv.world_size}")
+    if rv is not None and rv.world_size != P:
+        raise ConfigError(f"{attn.name}: variant.world_size={P} but the launcher started {rv.world_size} "
+                          f"processes; allowed: variant.world_size={rv.world_size}")
     if P == 1:
         return
     if settings.task is not None:
         raise ConfigError(f"task=mqar trains on one process; with {attn.name} world_size={P} allowed: task=none")
-    rv = from_environment()
-    if rv is not None and rv.world_size != P:
-        raise ConfigError(f"{attn.name}: variant.world_size={P} but the launcher started {rv.world_size} "
-                          f"processes; allowed: variant.world_size={rv.world_size}")
     # On CPU the harness starts P - 1 processes here, each importing torch and holding its own copy of the
     # workload: a few per core is a correctness test (P = 2, 3 on 2 cores); far more thrashes the machine
     # or meets the kernel's OOM killer. Ranks joined from torchrun or SLURM were placed by their launcher.

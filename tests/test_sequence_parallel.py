@@ -424,6 +424,34 @@ def test_more_cpu_ranks_than_the_cores_hold_are_refused_unless_a_launcher_starte
     check(five, build_variant(five.variant), torch.device("cpu"))  # torchrun's ranks: not refused
 
 
+def test_a_variant_of_one_process_under_a_launcher_of_several_is_refused(monkeypatch):
+    """torchrun --nproc-per-node=2 with full, or ring at world_size=1: each process ran the whole point on its
+    own, both in one directory (one refused as in use, torchrun's traceback), where a world size that differs
+    from the launcher's is bad input."""
+    from hydra import compose, initialize_config_dir
+
+    from harness.distributed import check
+    from harness.run import build_variant
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        full, ring1 = (settings_from_config(compose(config_name="config", overrides=o))
+                       for o in (["variant=full"], ["variant=ring", "variant.world_size=1"]))
+    for settings in (full, ring1):
+        check(settings, build_variant(settings.variant), torch.device("cpu"))  # one process: theirs
+    for env in ({"RANK": "1", "WORLD_SIZE": "2"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        for settings, name in ((full, "full"), (ring1, "ring")):
+            with pytest.raises(ConfigError, match=rf"^{name} runs in one process, but the launcher \(torchrun, srun\) "
+                                                  r"started 2; allowed: one process, or a sequence-parallel variant "
+                                                  r"\(ring, ulysses\) with variant.world_size=2$"):
+                check(settings, build_variant(settings.variant), torch.device("cpu"))
+        for k in env:
+            monkeypatch.delenv(k)
+
+
 def test_more_cpu_ranks_than_the_cores_hold_is_one_line(tmp_path):
     P = 4 * len(os.sched_getaffinity(0)) + 1
     proc = harness("variant=ring", f"variant.world_size={P}", "device=cpu", f"hydra.run.dir={tmp_path / 'out'}")
