@@ -160,19 +160,27 @@ class Team:
         # ring and ulysses against it instead).
         self.settings = dataclasses.replace(settings, fidelity=dataclasses.replace(settings.fidelity, enabled=False))
         self.clean = False  # every rank left its loop by the stop command
+        # Why the control group broke (a rank's process ended: killed, out of memory): the run stops. No
+        # point can run after it, and none is recorded for it but the one it broke in.
+        self.lost: str | None = None
 
     @property
     def rank(self) -> int:
         return self.rv.rank
 
     def serve(self) -> None:
-        while True:
-            command = [None]
-            dist.broadcast_object_list(command, src=0)
-            if command[0] is None:
-                self.stop()
-                return
-            dist.gather_object(self.measure_rank(command[0]), None, dst=0)
+        from .run import RunFailed
+
+        try:
+            while True:
+                command = [None]
+                dist.broadcast_object_list(command, src=0)
+                if command[0] is None:
+                    self.stop()
+                    return
+                dist.gather_object(self.measure_rank(command[0]), None, dst=0)
+        except RuntimeError as e:  # the control group's transfers (a point's own failures are recorded)
+            raise RunFailed(f"rank {self.rank}: {lost_group(e)}") from None
 
     def stop(self) -> None:
         """Rank 0 says stop; every rank then meets at a barrier, so that no rank tears its connections
@@ -186,8 +194,13 @@ class Team:
                 on_phase) -> dict[str, Any]:
         """Rank 0: every rank measures ``seq_len``; their records merged into ``rec`` (see merge)."""
         from .env import OtherLoad
+        from .run import RunFailed
 
-        dist.broadcast_object_list([seq_len], src=0)
+        try:
+            dist.broadcast_object_list([seq_len], src=0)
+        except RuntimeError as e:  # a rank left between points: nothing measured, nothing to record
+            self.lost = lost_group(e)
+            raise RunFailed(f"{self.lost} before N={seq_len}") from None
         load, start = OtherLoad(), [time.monotonic()]
 
         def phase(name: str) -> None:  # others' load from the end of the warm-up, as in run.measure_quietest
@@ -198,7 +211,13 @@ class Team:
         mine = self.measure_rank(seq_len, phase)
         busy, wall = load.stop(), time.monotonic() - start[0]
         records = [None] * self.rv.world_size
-        dist.gather_object(mine, records, dst=0)
+        try:
+            dist.gather_object(mine, records, dst=0)
+        except RuntimeError as e:  # a rank left during this point: the point's error, then the run stops
+            self.lost = f"{lost_group(e)} at N={seq_len}"
+            reason = mine["reason"] if mine["status"] != "ok" else "ok"
+            return {**rec, "status": "error", "reason": one_line(f"a rank left the group during the point "
+                                                                 f"(rank 0: {reason})")[:500]}
         return merge(rec, records, self.backend, busy, wall, s)
 
     def measure_rank(self, seq_len: int, on_phase=lambda phase: None) -> dict[str, Any]:
@@ -236,6 +255,13 @@ class Team:
         rec.update(bytes_sent=marks["calls"] // calls if "calls" in marks else None, hostname=socket.gethostname(),
                    own_cpu_s=now.user + now.system - cpu.user - cpu.system)
         return rec
+
+
+def lost_group(e: Exception) -> str:
+    """What a broken control group says: a rank's process ended (only a dead peer or a transfer past
+    the control timeout breaks it; a point's own failures are recorded by its ranks)."""
+    return one_line(f"the ranks' group broke, a rank's process having ended (killed, out of memory?) or "
+                    f"stopped answering: {type(e).__name__}: {str(e).split('. ')[0]}")[:300]  # gloo's advice left out
 
 
 TIMED = ("setup_s", "warmup_s", "fwd_ms", "fwd_iqr_ms", "fwd_samples", "bwd_ms", "bwd_iqr_ms", "bwd_samples",
@@ -310,6 +336,8 @@ def team(cfg, settings: Settings, attn, device: torch.device) -> Iterator[Team |
             if c.is_alive():
                 c.terminate()
                 c.join()
+        if not member.clean and dist.is_initialized():  # a group left broken: a sweep's next job makes its own
+            dist.destroy_process_group()
         torch.set_num_threads(threads)
 
 

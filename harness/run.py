@@ -152,6 +152,11 @@ class RunFailed(Exception):
 LOST: list[str] = []
 
 
+def team_lost_message(lost: str, done: int, wanted: int) -> str:
+    return (f"{lost}, after {done} of {wanted} points; the point it broke in is recorded as an error, and "
+            f"rerunning the same command goes on with a new group (retry=error measures that point again)")
+
+
 def device_gone_message(done: int, wanted: int) -> str:
     return (f"the CUDA context was lost at {LOST[0]} (a sticky CUDA error: an illegal memory access or a "
             f"device-side assert), after {done} of {wanted} points; that point is recorded as an error, and "
@@ -188,35 +193,39 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
 def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device, store: ResultStore,
          team: distributed.Team | None = None) -> Sweep:
     out_dir = store.output_dir
-    environment = envmod.collect(device)
-    attn.to(device)
-    attn.requires_grad_(settings.measure.param_grads)
-    budget = memory_budget_bytes(settings, device)
-    if team is not None and budget is not None:  # the ranks on this machine share it
-        budget //= attn.world_size
-    label = variant_label(attn)
-    title = (f"{label} on {device.type} ({environment.device_name}), {settings.dtype}, "
-             f"B={settings.batch_size if settings.tokens_per_batch is None else f'{settings.tokens_per_batch}/N'} "
-             f"H={settings.num_heads} D={settings.head_dim}"
-             f"{' causal' if settings.causal else ''} -> {out_dir}")
-    config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    wanted = wanted_points(attn, settings, device)
-    stored = store.current()
-    # Measured by an earlier run into this directory (and written and logged by it): shown and counted,
-    # unless retried or lacking what this run measures (then measured again: the new row supersedes)
-    resumed = {key: stored[key] for key in wanted if key in stored and not retried(stored[key], settings.retry)}
-    here = machine({**environment.as_dict(), "device": device.type})
-    again = {wanted[key]: lacks for key, row in resumed.items() if (lacks := lacking(row, settings, here))}
-    keep = [key for key in resumed if wanted[key] not in again]
-    kept = [Result.from_record(resumed[key]) for key in keep]
-    done: list[Result] = list(kept)
-    display = Display(title, len(settings.seq_lens), task=settings.task is not None, kept=kept, again=again)
-    status = JobStatus(out_dir, len(settings.seq_lens), done=kept)
-    # This series' points in the directory, the run's lengths or not (stop_on_oom looks at all of them),
-    # those of this machine only: an oom or a skip for memory says nothing of another machine
-    series = series_key(point_identity(attn, settings, device, settings.seq_lens[0]))
-    series_rows = {key: row for key, row in stored.items() if series_key(row) == series and machine(row) == here}
-    task_cache: dict[int, dict[str, Any]] = {}  # task.seq_len fixed: trained once, reused at every point
+    try:  # before the run's own status (moving the variant, reading the directory): said in one all the same
+        environment = envmod.collect(device)
+        attn.to(device)
+        attn.requires_grad_(settings.measure.param_grads)
+        budget = memory_budget_bytes(settings, device)
+        if team is not None and budget is not None:  # the ranks on this machine share it
+            budget //= attn.world_size
+        label = variant_label(attn)
+        title = (f"{label} on {device.type} ({environment.device_name}), {settings.dtype}, "
+                 f"B={settings.batch_size if settings.tokens_per_batch is None else f'{settings.tokens_per_batch}/N'} "
+                 f"H={settings.num_heads} D={settings.head_dim}"
+                 f"{' causal' if settings.causal else ''} -> {out_dir}")
+        config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+        wanted = wanted_points(attn, settings, device)
+        stored = store.current()
+        # Measured by an earlier run into this directory (and written and logged by it): shown and counted,
+        # unless retried or lacking what this run measures (then measured again: the new row supersedes)
+        resumed = {key: stored[key] for key in wanted if key in stored and not retried(stored[key], settings.retry)}
+        here = machine({**environment.as_dict(), "device": device.type})
+        again = {wanted[key]: lacks for key, row in resumed.items() if (lacks := lacking(row, settings, here))}
+        keep = [key for key in resumed if wanted[key] not in again]
+        kept = [Result.from_record(resumed[key]) for key in keep]
+        done: list[Result] = list(kept)
+        display = Display(title, len(settings.seq_lens), task=settings.task is not None, kept=kept, again=again)
+        status = JobStatus(out_dir, len(settings.seq_lens), done=kept)
+        # This series' points in the directory, the run's lengths or not (stop_on_oom looks at all of them),
+        # those of this machine only: an oom or a skip for memory says nothing of another machine
+        series = series_key(point_identity(attn, settings, device, settings.seq_lens[0]))
+        series_rows = {key: row for key, row in stored.items() if series_key(row) == series and machine(row) == here}
+        task_cache: dict[int, dict[str, Any]] = {}  # task.seq_len fixed: trained once, reused at every point
+    except Exception as e:  # a sweep counts its jobs by their status.json
+        JobStatus(out_dir, len(settings.seq_lens)).finish("failed", one_line(f"{type(e).__name__}: {e}")[:500])
+        raise
     try:
         status.save()  # "running", the kept points counted
         if LOST:
@@ -258,6 +267,8 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
                     done.append(row)
                 if LOST:
                     raise RunFailed(device_gone_message(len(done), len(wanted)))
+                if team is not None and team.lost:
+                    raise RunFailed(team_lost_message(team.lost, len(done), len(wanted)))
             raise_pending_interrupt()
             sweep = Sweep(done, fit_exponents(done), out_dir)
             for sink in sinks:
@@ -443,6 +454,8 @@ def run_point(attn: variants.Attention, s: Settings, seq_len: int, device: torch
             # What ran: the kernel the backend chose (full's auto), and the FLOPs it executed counted on the
             # device, where some backends know them only (flex: its BlockMask's tiles, built by prepare).
             rec.update(backend_ran=attn.backend_ran, flops_fwd=attn.flops(B, H, N, D, s.causal, device).executed)
+    except RunFailed:  # not the point's: the run cannot go on (a sequence-parallel group lost a rank)
+        raise
     except Exception as e:  # recorded; the next point still runs
         rec.update(failure(e))
     if rec["status"] in ("oom", "error") or device.type == "cuda":

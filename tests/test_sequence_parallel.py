@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -285,6 +286,16 @@ class FailingRing(variants.Ring):
         return super()._attend(q, k, v, causal, backend)
 
 
+class DyingRing(variants.Ring):
+    """A ring whose rank 1's process dies at N=64 (as the OOM killer ends one)."""
+
+    def _attend(self, q, k, v, causal, backend):
+        _, rank, size = self.process_group()
+        if rank == 1 and size > 1 and q.shape[-2] == 32:  # N=64
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super()._attend(q, k, v, causal, backend)
+
+
 def harness(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "harness", "logger=none", "num_heads=2", "head_dim=8",
                            "measure.min_run_time=0.01", "measure.min_samples=2", *args],
@@ -311,6 +322,27 @@ def test_harness_spawns_the_ranks_and_a_failing_rank_is_an_error_row(tmp_path):
     assert ok["fwd_ms"] > 0 and ok["fwd_bwd_ms"] > 0
     assert ok["out_rel_err"] is None and "not measured over world_size=2 ranks" in ok["quality_reason"]
     assert took < 90, took  # bounded by the 3 s timeout, not a hang
+
+
+def test_a_rank_whose_process_dies_ends_its_run_in_one_line_and_the_next_job_runs_on_a_new_group(tmp_path):
+    """The dead rank broke the control group: rank 0 recorded the next length as an error it never measured,
+    ended in a traceback, and left the group for the sweep's next job to fail on ("initialize the default
+    process group twice"). Now the point it died in is an error, the run stops there (status failed, one
+    line), and the next job starts its own group."""
+    proc = subprocess.run([sys.executable, "-m", "harness", "-m", "logger=none", "num_heads=2", "head_dim=8",
+                           "measure.min_run_time=0.01", "measure.min_samples=2", "variant=ring",
+                           f"variant._target_={__name__}.DyingRing", "seq_lens=[64,75]", "causal=false,true",
+                           "distributed.timeout_s=3", f"hydra.sweep.dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1 and "jobs: 2 (failed 2)" in proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lost = [line for line in proc.stderr.splitlines() if "the ranks' group broke" in line]
+    assert len(lost) == 2 and all("at N=64, after 1 of 2 points" in line for line in lost), proc.stderr
+    for job in sorted(tmp_path.glob("*/results.jsonl")):
+        (row,) = [json.loads(line) for line in job.read_text().splitlines()]
+        assert (row["seq_len"], row["status"]) == (64, "error")
+        assert row["reason"].startswith("a rank left the group during the point (rank 0: "), row["reason"]
+        assert json.loads((job.parent / "status.json").read_text())["state"] == "failed"
 
 
 @pytest.mark.parametrize("args,line", [

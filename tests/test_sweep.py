@@ -20,6 +20,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+import variants
+
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP_SH = ROOT / "scripts" / "sweep.sh"
 DASHBOARD = ROOT / "scripts" / "wandb_dashboard.py"
@@ -196,6 +198,25 @@ def test_a_job_failing_in_the_harness_itself_still_ends_with_the_summary(tmp_pat
     failed = [line for line in p.stderr.splitlines() if line.startswith("error: job 0")]
     assert len(failed) == 1 and "failed:" in failed[0], p.stderr[-2000:]
     assert json.loads((tmp_path / "0" / "status.json").read_text())["state"] == "failed"
+
+
+class Unmovable(variants.Full):
+    """A variant that fails before its run writes a status (moved to the device: a sequence-parallel job's
+    group failing to start is another such failure)."""
+
+    def _apply(self, *args, **kwargs):
+        raise RuntimeError("cannot be moved")
+
+
+def test_a_job_failing_before_its_run_wrote_a_status_is_counted(tmp_path):
+    """It left no status.json: the summary counted the other jobs only ("jobs: 1 (failed 1)" for two)."""
+    p = subprocess.run([sys.executable, "-m", "harness", "-m", *TINY, f"variant._target_={__name__}.Unmovable",
+                        "causal=false,true", f"hydra.sweep.dir={tmp_path}"],
+                       check=False, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 1 and "jobs: 2 (failed 2)" in p.stdout, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    states = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("*/status.json"))]
+    assert [(s["state"], s["error"]) for s in states] == [("failed", "RuntimeError: cannot be moved")] * 2
 
 
 def test_the_summary_counts_this_multiruns_jobs_not_an_earlier_sweeps(tmp_path):
