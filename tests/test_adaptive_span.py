@@ -17,7 +17,7 @@ from torch.func import functional_call
 
 import variants
 from harness.memory import cpu_peak_bytes
-from harness.quality.task import MQARConfig, build_model, span_penalty, train_mqar
+from harness.quality.task import MQARConfig, build_model, layer_metrics, span_penalty, train_mqar
 from variants import VariantError, flex
 from variants.adaptive_span import AdaptiveSpan
 
@@ -320,6 +320,13 @@ def test_span_penalty_is_the_papers_term_and_zero_for_other_variants():
     assert float(span_penalty(model, cfg).detach()) == pytest.approx(1e-3 * ((10 + 30) / 2 + (64 + 2) / 2))
     for name, options in (("sliding_window", {"window": 8}), ("full", {})):
         assert float(span_penalty(build_model(name, options, cfg), cfg)) == 0.0
+    # Inside ulysses: the same term, and each span named by its model layer (the wrapper and its inner
+    # variant were counted as two layers: span_l1_h0, span_l3_h0)
+    wrapped = build_model("ulysses", {"world_size": 1, "inner": "adaptive_span",
+                                      "inner_options": {"max_span": 64, "num_heads": 2}}, cfg)
+    assert sorted(layer_metrics(wrapped)) == sorted(layer_metrics(model)) == [
+        "span_l0_h0", "span_l0_h1", "span_l1_h0", "span_l1_h1"]
+    assert float(span_penalty(wrapped, cfg).detach()) == pytest.approx(1e-3 * 2 * 64)  # z starts at max_span
 
 
 def test_span_penalty_is_in_the_training_loss():

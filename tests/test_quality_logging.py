@@ -175,6 +175,21 @@ def test_a_training_curve_is_logged_under_the_length_trained_at(tmp_path, monkey
     assert {r["task_seq_len"] for r in read_jsonl(tmp_path / "results.jsonl")} == {32}
 
 
+def test_a_task_whose_training_diverges_records_no_accuracy_and_says_why(tmp_path):
+    """NaN logits' argmax is token 0, never a target: a diverged model read as accuracy 0.0, a number the
+    report and compare then trusted, with no quality_reason."""
+    from harness.run import run
+
+    (row,) = run(compose_cfg("variant=full", "seq_len=32", "num_heads=1", "head_dim=8", "measure.passes=[]",
+                             "measure.memory=false", "fidelity.enabled=false", "logger=none", "task=mqar",
+                             "task.steps=2", "task.eval_every=1", "task.eval_size=8", "task.batch_size=4",
+                             "task.warmup_steps=1", "task.lr=1e30"), output_dir=tmp_path).rows
+    rec = row.record()
+    assert (rec["status"], rec["task_accuracy"], rec["task_loss"]) == ("ok", None, None), rec
+    assert rec["quality_reason"].startswith("task: FloatingPointError: the training diverged: its final eval loss is "
+                                            "nan (task.lr=1e+30)"), rec
+
+
 def test_non_finite_numbers_are_written_as_null_not_a_crash():
     from harness.results import Result, FIELDS
 

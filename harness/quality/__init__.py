@@ -149,5 +149,8 @@ def train_task(attn: variants.Attention, s: Settings, cfg, device: torch.device,
 
     options = model_options(attn, cfg)
     out = train_mqar(type(attn), options, cfg, log=task_log, device=device)  # the class: any _target_ trains
+    if out["task_loss"] is None or not math.isfinite(out["task_loss"]):  # NaN logits' argmax: an accuracy of 0
+        raise FloatingPointError(f"the training diverged: its final eval loss is {out['task_loss']} "
+                                 f"(task.lr={cfg.lr}); no accuracy is recorded")
     return {"task_seq_len": cfg.seq_len, "task_accuracy": out["task_accuracy"], "task_loss": out["task_loss"],
             "task_no_recall_accuracy": out["no_recall_accuracy"], "task_train_s": out["train_seconds"]}

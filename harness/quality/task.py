@@ -153,8 +153,13 @@ def span_penalty(model: torch.nn.Module, cfg: MQARConfig) -> Tensor:
 
 
 def layer_metrics(model: torch.nn.Module) -> dict[str, float]:
-    """The layers' per-head numbers, ``<name>_l<layer>_h<head>`` (adaptive_span: span_l0_h0, in tokens)."""
-    return {f"{name}_l{layer}_h{h}": value for layer, a in enumerate(attention_layers(model))
+    """The layers' per-head numbers, ``<name>_l<layer>_h<head>`` (adaptive_span: span_l0_h0, in tokens).
+    A layer is the model's: a variant inside another (ulysses' inner) counts as its wrapper's layer."""
+    found = attention_layers(model)
+    nested = {id(m) for a in found for m in a.modules() if m is not a}
+    return {f"{name}_l{layer}_h{h}": value
+            for layer, top in enumerate(a for a in found if id(a) not in nested)
+            for a in top.modules() if isinstance(a, variants.Attention)
             for name, values in a.training_metrics().items() for h, value in enumerate(values)}
 
 
