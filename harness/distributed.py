@@ -79,12 +79,11 @@ def check(settings: Settings, attn, device: torch.device) -> None:
     attn.check_workload(settings.num_heads)
     P = attn.world_size
     rv = from_environment()
-    if rv is not None and rv.world_size != P and P == 1:  # each process would run the whole point on its own
+    if rv is not None and rv.world_size != P:  # P == 1: each process would run the whole point on its own
         raise ConfigError(f"{attn.name} runs in one process, but the launcher (torchrun, srun) started "
                           f"{rv.world_size}; allowed: one process, or a sequence-parallel variant (ring, ulysses) "
-                          f"with variant.world_size={rv.world_size}")
-    if rv is not None and rv.world_size != P:
-        raise ConfigError(f"{attn.name}: variant.world_size={P} but the launcher started {rv.world_size} "
+                          f"with variant.world_size={rv.world_size}" if P == 1 else
+                          f"{attn.name}: variant.world_size={P} but the launcher started {rv.world_size} "
                           f"processes; allowed: variant.world_size={rv.world_size}")
     if P == 1:
         return
@@ -199,8 +198,7 @@ class Team:
         try:
             dist.broadcast_object_list([seq_len], src=0)
         except RuntimeError as e:  # a rank left between points: nothing measured, nothing to record
-            self.lost = lost_group(e)
-            raise RunFailed(f"{self.lost} before N={seq_len}") from None
+            raise RunFailed(f"{lost_group(e)} before N={seq_len}") from None
         load, start = OtherLoad(), [time.monotonic()]
 
         def phase(name: str) -> None:  # others' load from the end of the warm-up, as in run.measure_quietest
@@ -215,9 +213,8 @@ class Team:
             dist.gather_object(mine, records, dst=0)
         except RuntimeError as e:  # a rank left during this point: the point's error, then the run stops
             self.lost = f"{lost_group(e)} at N={seq_len}"
-            reason = mine["reason"] if mine["status"] != "ok" else "ok"
-            return {**rec, "status": "error", "reason": one_line(f"a rank left the group during the point "
-                                                                 f"(rank 0: {reason})")[:500]}
+            own = f" (rank 0: {mine['reason']})" if mine["status"] != "ok" else ""
+            return {**rec, "status": "error", "reason": one_line(f"a rank left the group during the point{own}")[:500]}
         return merge(rec, records, self.backend, busy, wall, s)
 
     def measure_rank(self, seq_len: int, on_phase=lambda phase: None) -> dict[str, Any]:
