@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -89,6 +90,47 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module of this process (registered in sys.modules: its dataclasses need it), for
+    a test that calls its functions or its main in-process: a process of its own costs torch's import. The
+    signal handlers a script installs while it imports (exit_at_startup_interrupts: os._exit on Ctrl-C) are
+    put back, so they never end the test process."""
+    import importlib.util
+    import signal
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    return module
+
+
+def refusal(argv: list[str], where: Path) -> str:
+    """The line ``python -m harness ARGV`` run in ``where`` refuses with, in this process: the check the command
+    line runs before Hydra starts (harness.command_line.check; harness/__main__.py prints its ConfigError as
+    "error: ..." and exits 2). A process of its own each would cost torch's import: the process's side (one
+    line, exit 2, no traceback, nothing written) is test_harness.py's command-line tests'. Asserts the check
+    wrote nothing in ``where`` (Hydra's default output directories are relative to it)."""
+    from harness.command_line import check
+    from harness.config import ConfigError, one_line
+
+    cwd = os.getcwd()
+    os.chdir(where)
+    try:
+        check(list(argv))
+    except ConfigError as e:
+        return f"error: {one_line(e)}"
+    else:
+        raise AssertionError(f"not refused: {argv}")
+    finally:
+        os.chdir(cwd)
+        assert list(where.iterdir()) == [], argv
 
 
 def qkv(B, H, N, D, dtype=torch.float64, seed=0, device="cpu"):

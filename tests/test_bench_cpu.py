@@ -16,7 +16,7 @@ import pytest
 
 from harness.env import code_version
 
-from .conftest import ROOT
+from .conftest import ROOT, load_script
 
 SCRIPT = ROOT / "scripts" / "bench_cpu.py"
 
@@ -152,15 +152,11 @@ def test_what_the_harness_refuses_is_its_one_line_and_exit_code(tmp_path):
 def test_the_rounds_are_this_machines_latest_rows(tmp_path):
     """A point measured again counts once (its latest row), and rows another machine took are not rounds
     of this one's benchmark (a resumed benchmark measures them again)."""
-    import importlib.util
-
     import torch
 
     from harness.env import cpu_name
 
-    spec = importlib.util.spec_from_file_location("bench_cpu", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_cpu")
     here = {"device_name": cpu_name(), "num_threads": torch.get_num_threads()}
     point = {"variant": "full", "backend": "sdpa", "batch_size": 1, "num_heads": 4, "head_dim": 64,
              "dtype": "float32", "device": "cpu", "causal": False, "seed": 0}

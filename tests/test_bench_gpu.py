@@ -26,7 +26,7 @@ import torch
 import variants
 from harness.results import FIELDS, fit_exponents, latest, load_rows, untrusted
 
-from .conftest import ROOT
+from .conftest import ROOT, load_script
 
 LABELS = ("full", "linear", "blockwise-local")  # few: each sweep is a process of its own
 SMOKE_N = (128, 256)
@@ -176,19 +176,23 @@ def test_the_gpu_tests_outcomes_are_kept_and_summarised(smoke):
     assert f"{n} skipped; every test has run." in (bench / "SUMMARY.md").read_text()
 
 
-def test_a_rerun_measures_nothing_again_and_a_spent_budget_resumes(smoke, tmp_path):
+def test_a_rerun_measures_nothing_again_and_a_spent_budget_resumes(smoke, tmp_path, capsys):
     tmp, _ = smoke
     before = {p: p.read_bytes() for p in [*(tmp / "bench").rglob("results.jsonl"), *(tmp / "bench").glob("tests-gpu.*")]}
     proc = job(tmp, ("SKIP_TESTS", "0"))  # the same job again: no test, no point run twice
     assert "-m harness" not in proc.stdout and "pytest -q -m gpu" not in proc.stdout, proc.stdout[-2000:]
     assert {p: p.read_bytes() for p in before} == before
-    # A budget spent before a sweep starts leaves it pending; the next call runs it.
+    # A budget spent before a sweep starts leaves it pending; the next call runs it. In this process (a
+    # process each costs torch's import), but for the command line's exit code.
     out = tmp_path / "b"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke", "--out", str(out), "--steps", "c"]
-    assert subprocess.run(cmd + ["--budget-s", "1"], cwd=ROOT, capture_output=True, text=True).returncode == 0
-    pending = subprocess.run(cmd + ["--pending"], cwd=ROOT, capture_output=True, text=True)
-    assert pending.stdout.split() == ["c"]
-    bad = subprocess.run(cmd + ["--variants", "nope"], cwd=ROOT, capture_output=True, text=True)
+    args = ["--smoke", "--out", str(out), "--steps", "c"]
+    bench_gpu, _, _ = load_bench()
+    assert bench_gpu.main(args + ["--budget-s", "1"]) == 0
+    capsys.readouterr()
+    assert bench_gpu.main(args + ["--pending"]) == 0
+    assert capsys.readouterr().out.split() == ["c"]
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), *args, "--variants", "nope"], cwd=ROOT,
+                         capture_output=True, text=True)
     assert bad.returncode == 2 and "allowed: full" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -298,11 +302,7 @@ def test_shell_scripts_parse_and_speak_of_the_project_only(script):
 def load_bench():
     """scripts/bench_gpu.py, and the two modules beside it that it imports: (bench_gpu, bench_gpu_kernels,
     bench_gpu_summary)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
-    bench = sys.modules["bench_gpu"] = importlib.util.module_from_spec(spec)  # registered: its dataclasses need it
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_gpu")
     return bench, sys.modules["bench_gpu_kernels"], sys.modules["bench_gpu_summary"]
 
 

@@ -23,7 +23,7 @@ from harness.run import run, validate
 import variants
 from variants import VariantError
 
-from .conftest import CONF, ROOT, VARIANT_YAMLS
+from .conftest import CONF, ROOT, VARIANT_YAMLS, refusal
 
 MiB = 2**20
 # Tiny sizes and short measurement: the whole file stays far below a minute on two cores.
@@ -162,22 +162,27 @@ if not torch.cuda.is_available():
 
 
 def test_bad_input_is_one_line_no_traceback_no_results(tmp_path):
-    # All at once: each process spends most of its time importing torch.
-    procs = []
-    for i, (args, _) in enumerate(BAD_INPUTS):
+    """Each refused by the command line's check (in this process: conftest.refusal); two as processes, a
+    group's choice and a variant's own refusal, all at once (each spends most of its time importing torch)."""
+    for i, (args, words) in enumerate(BAD_INPUTS):
+        (tmp_path / f"check{i}").mkdir()
+        line = refusal([*args, "logger=none"], tmp_path / f"check{i}")
+        assert all(word in line for word in words), (args, line)
+    procs, in_processes = [], [BAD_INPUTS[0], BAD_INPUTS[4]]  # variant=foo; variant=linear causal=true
+    for i, (args, _) in enumerate(in_processes):
         out = tmp_path / f"bad{i}"
         procs.append((out, subprocess.Popen(harness_cmd(*args, "measure.min_run_time=0.01", f"hydra.run.dir={out}"),
                                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             text=True)))
-    for (args, words), (out, proc) in zip(BAD_INPUTS, procs):
+    for (args, words), (out, proc) in zip(in_processes, procs):
         output, _ = proc.communicate(timeout=120)
         lines = [line for line in output.splitlines() if line.strip()]
-        assert proc.returncode != 0, (args, output)
+        assert proc.returncode == 2, (args, output)
         assert len(lines) == 1, (args, output)
         assert "Traceback" not in output
         for word in words:
             assert word in lines[0], (args, word, lines[0])
-        assert rows_of(out) == [], args
+        assert not out.exists(), args
 
 
 def test_torchs_cuda_home_note_does_not_reach_the_output():
@@ -218,17 +223,25 @@ HYDRA_REFUSALS = [
 
 
 def test_hydra_refusals_are_one_line_exit_2_nothing_written(tmp_path):
+    """Exactly this line from the command line's check (in this process: conftest.refusal); two refusals, one
+    of a group's choice and one of a sweep's job (LATE_REFUSALS), as processes (each costs torch's import):
+    the line, exit 2, nothing where it ran."""
+    for i, (args, want) in enumerate(HYDRA_REFUSALS):
+        cwd = tmp_path / str(i)
+        cwd.mkdir()
+        assert refusal(args, cwd) == f"error: {want}", args
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
     procs = []
-    for i, (args, _) in enumerate(HYDRA_REFUSALS):
-        cwd = tmp_path / str(i)  # Hydra's default output and sweep directories are relative to it
+    sweep_job = (["-m", "seq_lens=[32]", "task=mqar", "task.steps=1,-1"],
+                 "task=mqar at N=32: steps must be an integer >= 1; got -1")  # in LATE_REFUSALS: builds a model
+    for i, (args, want) in enumerate([HYDRA_REFUSALS[1], sweep_job]):
+        cwd = tmp_path / f"process-{i}"
         cwd.mkdir()
-        procs.append((cwd, subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=cwd, env=env,
-                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-    for (args, want), (cwd, proc) in zip(HYDRA_REFUSALS, procs):
+        procs.append((args, want, cwd, subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=cwd, env=env,
+                                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    for args, want, cwd, proc in procs:
         output, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 2, (args, output)
-        assert output.splitlines() == [f"error: {want}"], args
+        assert (proc.returncode, output.splitlines()) == (2, [f"error: {want}"]), args
         assert list(cwd.iterdir()) == [], args
 
 
@@ -692,21 +705,14 @@ LATE_REFUSALS = [
 
 
 def test_late_refusals_are_one_line_exit_2_before_hydra_writes(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
-    for start in range(0, len(LATE_REFUSALS), 6):  # a few at a time: each imports Hydra (some torch)
-        procs = []
-        for i, (args, _) in enumerate(LATE_REFUSALS[start:start + 6], start):
-            cwd = tmp_path / str(i)  # Hydra's default output and sweep directories are relative to it
-            cwd.mkdir()
-            flags = [a for a in args if a.startswith("-")]  # Hydra's flags before the overrides
-            overrides = [a for a in args if not a.startswith("-")]
-            procs.append((cwd, subprocess.Popen([sys.executable, "-m", "harness", *flags, "logger=none", "num_heads=1",
-                                                 "head_dim=8", "measure.min_run_time=0.01", *overrides], cwd=cwd,
-                                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        for (args, want), (cwd, proc) in zip(LATE_REFUSALS[start:start + 6], procs):
-            output, _ = proc.communicate(timeout=120)
-            assert (proc.returncode, output.splitlines()) == (2, [f"error: {want}"]), args
-            assert list(cwd.iterdir()) == [], args
+    """In this process (conftest.refusal); as a process: test_hydra_refusals_are_one_line_exit_2_nothing_written."""
+    for i, (args, want) in enumerate(LATE_REFUSALS):
+        cwd = tmp_path / str(i)  # Hydra's default output and sweep directories are relative to it
+        cwd.mkdir()
+        flags = [a for a in args if a.startswith("-")]  # Hydra's flags before the overrides
+        overrides = [a for a in args if not a.startswith("-")]
+        assert refusal([*flags, "logger=none", "num_heads=1", "head_dim=8", "measure.min_run_time=0.01", *overrides],
+                       cwd) == f"error: {want}", args
 
 
 def test_a_module_the_machine_cannot_hold_is_refused_before_it_is_built(tmp_path):
@@ -716,20 +722,16 @@ def test_a_module_the_machine_cannot_hold_is_refused_before_it_is_built(tmp_path
     a run and every job of a sweep alike."""
     from harness.env import mem_available_bytes
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
     n = int(1.2 * mem_available_bytes() / (2 * 64 * 4)) + 1  # E, F: proj_dim=64 × n float32 each
     cases = [(["variant=linear", "variant.proj_dim=64", f"variant.max_seq_len={n}"], f"variant linear's parameters and buffers take "
               f"{2 * 64 * 4 * n / 1e9:.3g} GB"),
              (["-m", "task=mqar", "task.n_layers=2,100000000000"], "task=mqar's model (n_layers=100000000000, d_model=64, "
               "vocab_size=64, seq_len=32), its gradients and Adam's moments take 8.02e+07 GB")]
-    procs = [subprocess.Popen([sys.executable, "-m", "harness", *args, "logger=none", "seq_lens=[32]"], cwd=tmp_path,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args, _ in cases]
-    for (args, want), proc in zip(cases, procs):
-        (line,) = proc.communicate(timeout=120)[0].splitlines()
-        assert proc.returncode == 2 and line.startswith(f"error: {want}, more than this machine's available memory ("), line
+    for args, want in cases:  # in this process (conftest.refusal): counted, never built here either
+        line = refusal([*args, "logger=none", "seq_lens=[32]"], tmp_path)
+        assert line.startswith(f"error: {want}, more than this machine's available memory ("), line
         assert line.endswith("allowed: task sizes whose model fits" if "-m" in args else
                              "allowed: options whose tensors fit (linear: E and F hold proj_dim × max_seq_len numbers each)")
-    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("signum,code,name", [(2, 130, "Ctrl-C"), (15, 143, "SIGTERM")])

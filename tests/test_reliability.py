@@ -22,7 +22,7 @@ import variants
 from harness.results import DirectoryLock, JobStatus, ResultStore, job_state, parse_jsonl, read_jsonl
 from harness.run import run
 
-from .conftest import ROOT
+from .conftest import ROOT, refusal
 from .test_harness import compose_cfg
 
 # Points as small and quick as a real measurement gets: these tests are about files, not numbers.
@@ -262,7 +262,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_said(tmp_path):
 
 # ----- 3: damaged lines ----------------------------------------------------------------------------
 
-def test_damaged_lines_are_moved_aside_said_and_their_points_measured_again(tmp_path):
+def test_damaged_lines_are_moved_aside_said_and_their_points_measured_again(tmp_path, capsys):
     out = tmp_path / "D"
     run(compose_cfg(*TINY, "seq_lens=[32,40,48,56]"), output_dir=out)
     r32, r40, r48, r56 = (json.loads(line) for line in lines_of(out / "results.jsonl"))
@@ -284,10 +284,11 @@ def test_damaged_lines_are_moved_aside_said_and_their_points_measured_again(tmp_
         json.dumps(r40) + json.dumps(r48),  # 11: two whole rows, their newline lost: both kept
     ]
     (out / "results.jsonl").write_text("\n".join(["", *damaged]) + "\n")  # line 1 empty
-    proc = cli("seq_lens=[32,40,48,56]", f"hydra.run.dir={out}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    warning = [line for line in proc.stderr.splitlines() if "damaged line(s)" in line]
-    assert len(warning) == 1, proc.stderr
+    capsys.readouterr()
+    run(compose_cfg(*TINY, "seq_lens=[32,40,48,56]"), output_dir=out)  # in this process: its stderr, as a process's
+    stderr = capsys.readouterr().err
+    warning = [line for line in stderr.splitlines() if "damaged line(s)" in line]
+    assert len(warning) == 1, stderr
     for n in (2, 3, 4, 5, 6, 7, 8, 9):  # the first eight named, the rest counted
         assert f" {n} (" in warning[0], (n, warning[0])
     assert " and 2 more; 3 whole rows inside line(s) 3, 11 kept" in warning[0]
@@ -307,7 +308,7 @@ def test_damaged_lines_are_moved_aside_said_and_their_points_measured_again(tmp_
 
 def test_a_line_that_is_not_utf8_is_moved_aside_byte_for_byte(tmp_path):
     out = tmp_path / "D"
-    assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
+    run(compose_cfg(*TINY, "seq_lens=[32]"), output_dir=out)
     good = (out / "results.jsonl").read_bytes()
     bad = b'{"variant": "full\xff\xfe", "seq_len": 40}\n'
     (out / "results.jsonl").write_bytes(good + bad)
@@ -318,7 +319,7 @@ def test_a_line_that_is_not_utf8_is_moved_aside_byte_for_byte(tmp_path):
     assert aside.read_bytes() == bad and (out / "results.jsonl").read_bytes() == good
 
 
-def test_a_results_csv_that_is_not_the_jsonls_view_is_moved_aside_not_rewritten(tmp_path):
+def test_a_results_csv_that_is_not_the_jsonls_view_is_moved_aside_not_rewritten(tmp_path, capsys):
     """A combined table (bench_cpu's results/cpu/results.csv has no results.jsonl beside it) or a csv whose
     jsonl was deleted: a run into its directory moves it aside with its fit.json and says so, where it
     used to rewrite it from the jsonl's rows, losing every row. A csv that is the jsonl's view, even a
@@ -327,13 +328,14 @@ def test_a_results_csv_that_is_not_the_jsonls_view_is_moved_aside_not_rewritten(
     from harness.results import csv_text, read_csv
 
     out = tmp_path / "D"
-    run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=out)  # the run said below is a process of its own
+    run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=out)
     (out / "fit.json").write_text('{"fits": "the table\'s own"}\n')
     table, fit = (out / "results.csv").read_text(), (out / "fit.json").read_text()
     (out / "results.jsonl").unlink()
-    proc = cli("seq_lens=[48]", f"hydra.run.dir={out}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len([line for line in proc.stderr.splitlines() if "holds rows that results.jsonl does not" in line]) == 1
+    capsys.readouterr()
+    run(compose_cfg(*TINY, "seq_lens=[48]"), output_dir=out)
+    stderr = capsys.readouterr().err
+    assert len([line for line in stderr.splitlines() if "holds rows that results.jsonl does not" in line]) == 1, stderr
     (csv_aside,), (fit_aside,) = out.glob("results.csv.replaced-*"), out.glob("fit.json.replaced-*")
     assert csv_aside.read_text() == table and fit_aside.read_text() == fit
     assert [r["seq_len"] for r in read_csv(out / "results.csv")] == [48]
@@ -385,7 +387,7 @@ def test_a_cut_last_line_is_moved_aside_not_appended_to(tmp_path):
     run(compose_cfg(*TINY, "seq_lens=[32]"), output_dir=out)
     with open(out / "results.jsonl", "a") as f:
         f.write('{"variant": "full", "seq_len": 4')  # a kill mid-write
-    assert cli("seq_lens=[32,40]", f"hydra.run.dir={out}").returncode == 0
+    run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=out)
     assert seq_lens_of(out) == [32, 40]
     assert all(json.loads(line) for line in lines_of(out / "results.jsonl"))
     (aside,) = out.glob("results.jsonl.damaged-*")
@@ -630,12 +632,9 @@ def test_bad_measurement_and_budget_options_are_one_line_exit_2(tmp_path):
              # a number or a flag where a list goes: a traceback (5), or read as no pass at all (0, false)
              (["measure.passes=5"], ["measure.passes must be a list of fwd, bwd, fwd_bwd", "got 5"]),
              (["retry=false"], ["retry must be a list of", "got False"])]
-    for i, (args, words) in enumerate(cases):
-        proc = cli("seq_lens=[32]", *args, f"hydra.run.dir={tmp_path / str(i)}")
-        assert proc.returncode == 2, args
-        line = error_line(proc.stderr)
+    for i, (args, words) in enumerate(cases):  # in this process (conftest.refusal): the command line's check
+        line = refusal([*TINY, "seq_lens=[32]", *args, f"hydra.run.dir={tmp_path / str(i)}"], tmp_path)
         assert all(w in line for w in words), (args, line)
-        assert not (tmp_path / str(i) / "results.jsonl").exists()
 
 
 class ExplodesFrom48(variants.Full):
