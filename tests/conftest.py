@@ -74,7 +74,18 @@ def reported(path: Path) -> set[str]:
                                           else "not a test outcome")}
 
 
+# pytest-xdist hands out whole modules (pyproject.toml: --dist loadfile, --no-loadscope-reorder) in the
+# collection's order, each worker taking the next as it frees: the longest modules (their tests start
+# processes) go first, so that the two workers end together instead of one running a long module alone
+# at the end. The rest keep their order after them.
+LONGEST_FIRST = ("test_bench_gpu.py", "test_sweep.py", "test_reliability.py", "test_harness.py",
+                 "test_sequence_parallel.py", "test_bench_cpu.py", "test_slurm.py", "test_adaptive_span.py",
+                 "test_bench_peers.py", "test_resume.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
+               else len(LONGEST_FIRST))  # stable: a module's tests keep their order
     path = config.getoption("outcomes")
     if path:
         done = reported(Path(path))
