@@ -719,19 +719,24 @@ def test_a_module_the_machine_cannot_hold_is_refused_before_it_is_built(tmp_path
     """linear's E and F, each 0.6 of the memory available (each passing the kernel's overcommit check, so
     allocated and filled), got the process ended by the OOM killer: no line, no row; a model of 10¹¹ layers
     was built until killed. Each is counted on the meta device first: one line, exit 2, nothing written;
-    a run and every job of a sweep alike."""
+    a run and every job of a sweep alike. Processes, not this one (conftest.refusal): were the count to
+    regress, the OOM killer or the endless build ends them, not the test process."""
     from harness.env import mem_available_bytes
 
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
     n = int(1.2 * mem_available_bytes() / (2 * 64 * 4)) + 1  # E, F: proj_dim=64 × n float32 each
     cases = [(["variant=linear", "variant.proj_dim=64", f"variant.max_seq_len={n}"], f"variant linear's parameters and buffers take "
               f"{2 * 64 * 4 * n / 1e9:.3g} GB"),
              (["-m", "task=mqar", "task.n_layers=2,100000000000"], "task=mqar's model (n_layers=100000000000, d_model=64, "
               "vocab_size=64, seq_len=32), its gradients and Adam's moments take 8.02e+07 GB")]
-    for args, want in cases:  # in this process (conftest.refusal): counted, never built here either
-        line = refusal([*args, "logger=none", "seq_lens=[32]"], tmp_path)
-        assert line.startswith(f"error: {want}, more than this machine's available memory ("), line
+    procs = [subprocess.Popen([sys.executable, "-m", "harness", *args, "logger=none", "seq_lens=[32]"], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args, _ in cases]
+    for (args, want), proc in zip(cases, procs):
+        (line,) = proc.communicate(timeout=120)[0].splitlines()
+        assert proc.returncode == 2 and line.startswith(f"error: {want}, more than this machine's available memory ("), line
         assert line.endswith("allowed: task sizes whose model fits" if "-m" in args else
                              "allowed: options whose tensors fit (linear: E and F hold proj_dim × max_seq_len numbers each)")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("signum,code,name", [(2, 130, "Ctrl-C"), (15, 143, "SIGTERM")])
