@@ -490,3 +490,28 @@ def test_more_cpu_ranks_than_the_cores_hold_is_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"error: ring: variant.world_size={P} would start {P} processes"), proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_inner_variant_with_a_parameter_per_head_gets_the_workloads_heads():
+    """ulysses(adaptive_span) with no num_heads had one span shared by every head, where adaptive_span alone
+    at the same workload has one per head: the harness fills ulysses' null num_heads as a plain variant's,
+    the inner variant takes it unless its inner_options set their own, and the task's model gives it the
+    model's heads."""
+    from harness.config import settings_from_config
+    from harness.quality import model_options
+    from harness.quality.task import MQARConfig
+    from harness.run import build_variant
+
+    from .test_harness import compose_cfg
+
+    def built(*overrides):
+        s = settings_from_config(compose_cfg("variant=ulysses", "variant.world_size=1", "num_heads=4", *overrides))
+        return build_variant(s.variant)
+    alone = build_variant(settings_from_config(compose_cfg("variant=adaptive_span", "num_heads=4")).variant)
+    attn = built("variant.inner=adaptive_span")
+    assert attn.wrapped.z.shape == alone.z.shape == (4,)
+    assert built("variant.inner=adaptive_span", "variant.inner_options={num_heads:1}").wrapped.z.shape == (1,)
+    assert built("variant.inner=linear", "variant.inner_options={share:none,max_seq_len:64}").wrapped.options.num_heads == 4
+    assert built().wrapped.options == variants.build("full").options  # an inner without per-head parameters
+    task = model_options(attn, MQARConfig(seq_len=32, vocab_size=40, num_kv_pairs=4, num_queries=4, n_heads=2))
+    assert variants.build("ulysses", **task).wrapped.z.shape == (2,)

@@ -15,14 +15,14 @@ sum over the ranks is the whole gradient). Needs H % P == 0. Memory per rank: th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .base import Flops, require
+from .base import Flops, require, whole
 from .masks import Predicate
 from .seqpar import SequenceParallel
 
@@ -33,6 +33,10 @@ class UlyssesOptions:
     inner: str = "full"  # the single-device variant run on each head shard
     inner_options: dict | None = None  # its options, e.g. {window: 64} for sliding_window
     backend: str | None = None  # the inner variant's backend (its own names); null: its default
+    # The workload's heads, for an inner variant with one parameter per head (adaptive_span's z_h, linear
+    # share=none's E_h, F_h) whose inner_options give no num_heads: the harness fills a null one, as it
+    # does a plain variant's, so the inner variant computes what it computes alone (not one shared span).
+    num_heads: int | None = None
 
 
 class Ulysses(SequenceParallel):
@@ -40,9 +44,17 @@ class Ulysses(SequenceParallel):
     Options = UlyssesOptions
 
     def inner_build_options(self, inner_options: dict[str, Any]) -> dict[str, Any]:
+        from . import REGISTRY  # here: the registry imports this module
+
+        o = self.options
         require("backend" not in inner_options,
                 "ulysses: give the inner variant's backend as variant.backend, not in inner_options")
-        return {**inner_options, "backend": self.options.backend}
+        require(o.num_heads is None or whole(o.num_heads, 1),
+                f"ulysses: num_heads must be an integer >= 1 or null; got {o.num_heads!r}")
+        per_head = "num_heads" in {f.name for f in fields(REGISTRY[o.inner].Options)}
+        if per_head and inner_options.get("num_heads") is None:
+            inner_options = {**inner_options, "num_heads": o.num_heads}
+        return {**inner_options, "backend": o.backend}
 
     # The inner variant's facts: the same function, backends, support, work and fidelity reference. Not its
     # training hooks (regulariser, param_groups, ...): a model's layers are found by model.modules(),
