@@ -11,7 +11,8 @@ ran (not of jobs an earlier sweep left in the directory), and exit status 1 when
 (``harness.results.job_state``): what the job said itself (completed, refused, failed, interrupted), or
 what the SLURM launcher wrote for a job that could not. A job refused because another command's run
 holds its directory cannot write there: it adds a line to the sweep's ``refused-jobs.jsonl`` instead,
-read here, and emptied when the next multirun starts.
+naming its multirun; a multirun counts its own lines only (two sweeps may share the directory at once,
+so neither empties the file).
 """
 
 from __future__ import annotations
@@ -63,9 +64,12 @@ def job_states(root: Path, since: float | None = None, multirun: str | None = No
 
 
 def record_refused(sweep_dir: str | Path, num: int, overrides: str, message: str) -> None:
-    """A job that could not say so in its own directory (another run holds it)."""
+    """A job that could not say so in its own directory (another run holds it), under its multirun's id."""
+    from harness.results import MULTIRUN_ENV
+
+    line = {"job": num, "overrides": overrides, "error": message, "multirun": os.environ.get(MULTIRUN_ENV)}
     with open(Path(sweep_dir) / REFUSED, "a") as f:
-        f.write(json.dumps({"job": num, "overrides": overrides, "error": message}) + "\n")
+        f.write(json.dumps(line) + "\n")
 
 
 class Hooks(Callback):
@@ -88,7 +92,6 @@ class Hooks(Callback):
         STARTED.append(time.time())
         # Inherited by the jobs, whatever the launcher: each job's status.json names its multirun
         os.environ[MULTIRUN_ENV] = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
-        (Path(str(config.hydra.sweep.dir)) / REFUSED).unlink(missing_ok=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         root = Path(str(config.hydra.sweep.dir))
@@ -99,12 +102,15 @@ class Hooks(Callback):
         states = collections.Counter(job_states(root, STARTED[-1] if STARTED else None,
                                                 os.environ.get(MULTIRUN_ENV)).values())
         refused = root / REFUSED
-        if refused.exists():  # jobs that could not say so in their own directory
-            for line in refused.read_text().splitlines():
+        if refused.exists():  # this multirun's jobs that could not say so in their own directory
+            for line in refused.read_text(errors="replace").splitlines():
                 try:
-                    error = str(json.loads(line).get("error", ""))
+                    record = json.loads(line)
                 except ValueError:
-                    error = ""
+                    continue  # not a line a job wrote whole
+                if not isinstance(record, dict) or record.get("multirun") != os.environ.get(MULTIRUN_ENV):
+                    continue  # another multirun's, earlier or running beside this one
+                error = str(record.get("error", ""))
                 states["refused" if error.startswith(REFUSED_INPUT) else "refused (directory in use)"] += 1
         if not states:
             return

@@ -231,16 +231,29 @@ def test_a_job_refused_for_another_commands_run_counts_in_the_sweeps_outcome(tmp
 
     from harness import hydra_hooks as multirun
 
+    from harness.results import MULTIRUN_ENV
+
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
-    (tmp_path / multirun.REFUSED).write_text("stale\n")
-    multirun.Hooks().on_multirun_start(config)  # a new multirun: the last one's refusals are gone
-    (tmp_path / "job").mkdir()
-    JobStatus(tmp_path / "job", 1).finish("completed")
-    multirun.record_refused(tmp_path, 1, "variant=full", "... is in use by another run ...")
-    multirun.Hooks().on_multirun_end(config)
-    assert "jobs: 2 (completed 1, refused (directory in use) 1)" in capsys.readouterr().out
-    assert multirun.NOT_COMPLETE and "not every job of the sweep completed" in multirun.NOT_COMPLETE[0]
-    multirun.NOT_COMPLETE.clear()
+    (tmp_path / multirun.REFUSED).write_text("stale\n")  # not a line a job wrote whole
+    multirun.Hooks().on_multirun_start(config)
+    ours = os.environ[MULTIRUN_ENV]
+    try:
+        (tmp_path / "job").mkdir()
+        JobStatus(tmp_path / "job", 1).finish("completed")
+        multirun.record_refused(tmp_path, 1, "variant=full", "... is in use by another run ...")
+        # Another sweep in the same directory at the same time: its refusal is its own. Each multirun emptied
+        # the file when it started, and counted every line when it ended: the one that started second
+        # hid the first's refusal (exit 0), and counted it as its own (exit 1).
+        os.environ[MULTIRUN_ENV] = "other-host:1:1"
+        multirun.record_refused(tmp_path, 0, "variant=linear", "... is in use by another run ...")
+        os.environ[MULTIRUN_ENV] = ours
+        multirun.Hooks().on_multirun_end(config)
+        assert "jobs: 2 (completed 1, refused (directory in use) 1)" in capsys.readouterr().out
+        assert multirun.NOT_COMPLETE and "not every job of the sweep completed" in multirun.NOT_COMPLETE[0]
+        assert len((tmp_path / multirun.REFUSED).read_text().splitlines()) == 3  # never emptied under another
+    finally:
+        multirun.NOT_COMPLETE.clear()
+        os.environ.pop(MULTIRUN_ENV, None)
 
 
 def test_a_lock_left_by_a_killed_run_is_taken_over_and_said(tmp_path):
