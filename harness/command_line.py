@@ -74,6 +74,7 @@ def check(argv: list[str]) -> None:
             if isinstance(output_dir, str) and output_dir.strip():
                 check_output_dir(output_dir)
             if multirun:
+                check_launcher(OmegaConf.select(base, "hydra.launcher") or {})
                 params = OmegaConf.select(base, "hydra.sweeper.params") or {}
                 if not (groups := sweep_groups(params, overrides)):  # Hydra launches 0 jobs and exits 0
                     raise ConfigError(no_job(params, overrides))
@@ -96,6 +97,34 @@ def check(argv: list[str]) -> None:
     with open_dict(cfg):
         del cfg["hydra"]
     harness_checks(cfg, whole=True)
+
+
+# The launchers' numbers (joblib's, submitit's and the SLURM launcher's) that a bad value turned into a
+# traceback once the jobs were launched, after the sweep directory was written: key -> allowed values.
+LAUNCHER_NUMBERS = {"timeout_min": "a number of minutes > 0", "mem_gb": "a number of GB > 0",
+                    "signal_delay_s": "an integer of seconds >= 0", "gpus_per_node": "an integer >= 0",
+                    **{k: "an integer >= 1" for k in ("nodes", "tasks_per_node", "cpus_per_task", "array_parallelism")}}
+
+
+def check_launcher(launcher) -> None:
+    """hydra.launcher's numbers, before the sweep's directory is written: joblib's n_jobs (0 raised in
+    joblib's Parallel), submitit's and SLURM's sizes and time limit (timeout_min=-1 failed every job)."""
+    import math
+
+    from harness.config import ConfigError, _is_int, _is_number
+
+    n_jobs = launcher.get("n_jobs")
+    if n_jobs is not None and (not _is_int(n_jobs) or n_jobs == 0):
+        raise ConfigError(f"hydra.launcher.n_jobs must be an integer other than 0 (worker processes; -1: one "
+                          f"per core); got {n_jobs!r}")
+    for key, allowed in LAUNCHER_NUMBERS.items():
+        value = launcher.get(key)
+        if value is None:
+            continue
+        ok = ((_is_number(value) and math.isfinite(value) and value > 0) if allowed.startswith("a number") else
+              _is_int(value) and value >= int(allowed[-1]))
+        if not ok:
+            raise ConfigError(f"hydra.launcher.{key} must be {allowed}, or null; got {value!r}")
 
 
 def hydra_args(argv: list[str]):

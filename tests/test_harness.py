@@ -701,6 +701,16 @@ LATE_REFUSALS = [
     # a task option without a task ("allowed: " and nothing)
     (["seq_len=32", "task.steps=5"], "task=none takes no options; got task.steps (choose a task first: task=mqar)"),
     (["--config-path=/nonexistent"], "--config-path /nonexistent is not a directory"),
+    # a launcher's number that joblib or submitit refused with a traceback once the jobs were launched (n_jobs=0),
+    # or that failed every job (timeout_min=-1), after the sweep directory was written
+    (["-m", "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=0"],
+     "hydra.launcher.n_jobs must be an integer other than 0 (worker processes; -1: one per core); got 0"),
+    (["-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=-1"],
+     "hydra.launcher.timeout_min must be a number of minutes > 0, or null; got -1"),
+    (["-m", "hydra/launcher=slurm", "hydra.launcher.mem_gb=-5"], "hydra.launcher.mem_gb must be a number of GB > 0, "
+                                                                  "or null; got -5"),
+    (["-m", "hydra/launcher=slurm", "hydra.launcher.nodes=0"], "hydra.launcher.nodes must be an integer >= 1, or null; "
+                                                               "got 0"),
 ]
 
 
