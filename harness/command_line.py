@@ -100,10 +100,11 @@ def check(argv: list[str]) -> None:
 
 
 # The launchers' numbers (joblib's, submitit's and the SLURM launcher's) that a bad value turned into a
-# traceback once the jobs were launched, after the sweep directory was written: key -> allowed values.
-LAUNCHER_NUMBERS = {"timeout_min": "a number of minutes > 0", "mem_gb": "a number of GB > 0",
-                    "signal_delay_s": "an integer of seconds >= 0", "gpus_per_node": "an integer >= 0",
-                    **{k: "an integer >= 1" for k in ("nodes", "tasks_per_node", "cpus_per_task", "array_parallelism")}}
+# traceback once the jobs were launched, after the sweep directory was written: key -> (integer, least, what).
+LAUNCHER_NUMBERS = {"timeout_min": (False, 0, "a number of minutes > 0"), "mem_gb": (False, 0, "a number of GB > 0"),
+                    "signal_delay_s": (True, 0, "an integer of seconds >= 0"), "gpus_per_node": (True, 0, "an integer >= 0"),
+                    **{k: (True, 1, "an integer >= 1") for k in ("nodes", "tasks_per_node", "cpus_per_task",
+                                                                  "array_parallelism")}}
 
 
 def check_launcher(launcher) -> None:
@@ -117,12 +118,12 @@ def check_launcher(launcher) -> None:
     if n_jobs is not None and (not _is_int(n_jobs) or n_jobs == 0):
         raise ConfigError(f"hydra.launcher.n_jobs must be an integer other than 0 (worker processes; -1: one "
                           f"per core); got {n_jobs!r}")
-    for key, allowed in LAUNCHER_NUMBERS.items():
+    for key, (integer, least, allowed) in LAUNCHER_NUMBERS.items():
         value = launcher.get(key)
         if value is None:
             continue
-        ok = ((_is_number(value) and math.isfinite(value) and value > 0) if allowed.startswith("a number") else
-              _is_int(value) and value >= int(allowed[-1]))
+        ok = (_is_int(value) and value >= least) if integer else \
+            (_is_number(value) and math.isfinite(value) and value > least)
         if not ok:
             raise ConfigError(f"hydra.launcher.{key} must be {allowed}, or null; got {value!r}")
 
