@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import numpy as np
 import torch
 
-from bench_gpu_summary import COMPARED, OURS_BARE, d_done, fmt, side_rows
+from bench_gpu_summary import COMPARED, OURS_BARE, case_disturbed, d_done, fmt, job_file, side_rows
 from harness.config import one_line
 from harness.env import now
 from harness.results import write_json
@@ -283,7 +283,11 @@ def part_overhead(ctx: Context) -> int:
     interleaved: raw, harness, raw, ... (OVERHEAD_RUNS harness runs, each between two raw timings). The
     overhead is the median harness run over the median raw timing: one run disturbed (the +13.6% the
     H100 showed once, the other five cases within 0.8%) neither passes nor fails the target alone, and
-    every run is in the file. On CPU the same code runs the cases whose backend runs there, against
+    every run is in the file. A round whose raw timings disagree at their median by more than the target's
+    3% (bench_gpu_summary.disturbed: the H200's linear `sdpa` forward, 0.356 and 0.476 ms in turn) is
+    measured again, up to plan.overhead_rounds rounds; the earlier rounds stay in the file
+    (earlier_rounds). A case judged in an earlier call is kept as it is; one still disturbed is measured
+    again, its earlier rounds kept. On CPU the same code runs the cases whose backend runs there, against
     torch.utils.benchmark: the dry run's check of the path, no target."""
     import variants
 
@@ -294,9 +298,18 @@ def part_overhead(ctx: Context) -> int:
 
     (B, H, D), N, rep = ctx.plan.shape, ctx.plan.overhead_seq_len, 100
     dtype, raw_ms = ctx.plan.dtype if ctx.device.type == "cuda" else "float32", raw_timer(ctx.device)
+    before = {(c["variant"], c["backend"]): c if c.get("status") == "ok" else None
+              for c in (job_file(ctx.out / "d" / "overhead.json") or {}).get("cases", [])}
     cases = []
     for variant, backend in OVERHEAD_CASES:
+        earlier = before.get((variant, backend))
+        if earlier is not None and not case_disturbed(earlier):
+            cases.append(earlier)  # judged: never measured twice
+            continue
         case: dict[str, Any] = {"variant": variant, "backend": backend, "seq_len": N, "status": "ok"}
+        # the rounds measured so far, the judged one last: an earlier call's, then this call's
+        rounds = [] if earlier is None else [*earlier.get("earlier_rounds", []),
+                                             {p: earlier[p] for p in ("fwd", "fwd_bwd")}]
         try:
             # The same work as the harness's: no gradients for the variant's own parameters (linear's E, F;
             # measure.param_grads is off), input gradients cleared before every call.
@@ -322,20 +335,31 @@ def part_overhead(ctx: Context) -> int:
                    # measured now, between the raw timings: a row an interrupted earlier call stored (maybe
                    # on another machine) would be compared with this call's raw numbers
                    "resume": False}
-            raw, runs = [raw_times()], []
-            for i in range(OVERHEAD_RUNS):
-                runs.append(run(cfg, output_dir=ctx.out / "d" / "overhead" / variant / f"run-{i}").rows[-1].record())
-                raw.append(raw_times())
-            for p in calls:
-                harness = [r[f"{p}_ms"] for r in runs]
-                mid = None if None in harness else float(np.median(harness))
-                case[p] = {"harness_ms": mid, "harness_runs_ms": harness,
-                           "harness_iqr_ms": [r[f"{p}_iqr_ms"] for r in runs], "raw_ms": [r[p] for r in raw],
-                           "overhead": None if mid is None else mid / float(np.median([r[p] for r in raw])) - 1}
+            for left in range(ctx.plan.overhead_rounds - 1, -1, -1):
+                # round 0's runs in run-<i>, as before rounds; a later round's in round-<r>/run-<i>
+                where = ctx.out / "d" / "overhead" / variant / (f"round-{len(rounds)}" if rounds else "")
+                raw, runs = [raw_times()], []
+                for i in range(OVERHEAD_RUNS):
+                    runs.append(run(cfg, output_dir=where / f"run-{i}").rows[-1].record())
+                    raw.append(raw_times())
+                measured = {}
+                for p in calls:
+                    harness = [r[f"{p}_ms"] for r in runs]
+                    mid = None if None in harness else float(np.median(harness))
+                    measured[p] = {"harness_ms": mid, "harness_runs_ms": harness,
+                                   "harness_iqr_ms": [r[f"{p}_iqr_ms"] for r in runs], "raw_ms": [r[p] for r in raw],
+                                   "overhead": None if mid is None else mid / float(np.median([r[p] for r in raw])) - 1}
+                rounds.append(measured)
+                if not case_disturbed({"status": "ok", **measured}) or not left:
+                    break
+                raws = ", ".join(f"{p} {measured[p]['raw_ms']}" for p in calls)
+                ctx.log(f"[d:overhead] {variant}/{backend}: raw timings disturbed ({raws} ms): measuring again")
+            case.update(rounds[-1], **({"earlier_rounds": rounds[:-1]} if len(rounds) > 1 else {}))
         except Unavailable as e:
             case.update(status="skipped", reason=str(e))
         except Exception as e:
-            case.update(status="error", reason=one_line(f"{type(e).__name__}: {e}")[:300])
+            case.update(status="error", reason=one_line(f"{type(e).__name__}: {e}")[:300],
+                        **({"earlier_rounds": rounds} if rounds else {}))
         release_memory(ctx.device)
         cases.append(case)
         ctx.log(f"[d:overhead] {variant}/{backend}: {case}")

@@ -4,7 +4,7 @@ read through harness.results): scripts/bench_gpu.py writes them after every invo
 directory, the plan's sizes, the labels chosen and what the measuring device has (its backends, the public
 kernels part d times).
 
-A target is met | missed (with the gap) | not measured (its measurements are not all there yet: judged on
+A target is met | missed (with the gap) | not measured (its measurements are not all there yet, or disturbed: judged on
 complete ones only, never on the first ones timed) | skipped (needs CUDA, on the CPU dry run).
 """
 
@@ -274,12 +274,39 @@ def exponent_targets(ctx: Context, a: list[dict[str, Any]], res: dict[str, Any])
             lambda v: f"{v - limit:+.3f} above {limit:.3f}"))
 
 
+OVERHEAD_TOLERANCE = 0.03  # the overhead target: the harness's timing within 3% of raw do_bench
+
+
+def disturbed(raw_ms: list[float]) -> float | None:
+    """How far apart the two raw timings are that make their median, where that is more than the target's
+    tolerance (None where they agree): the reference itself moved by more than the 3% the target is to
+    resolve, so no overhead can be judged against it. On the H200, linear `sdpa` forward's raw timings
+    read 0.3555, 0.4761, 0.3567 and 0.4837 ms (the harness's runs beside them flagged noisy too): 33%
+    between the middle two. One raw timing off alone leaves the middle two together."""
+    ordered = sorted(raw_ms)
+    lo, hi = ordered[(len(ordered) - 1) // 2], ordered[len(ordered) // 2]
+    return hi / lo - 1 if hi / lo - 1 > OVERHEAD_TOLERANCE else None
+
+
+def case_disturbed(case: dict[str, Any]) -> bool:
+    """Whether an overhead case's judged round is disturbed in either pass (d/overhead.json)."""
+    return case["status"] == "ok" and any(case[p]["overhead"] is not None and disturbed(case[p]["raw_ms"])
+                                          for p in ("fwd", "fwd_bwd"))
+
+
 def overhead_target(ctx: Context, res: dict[str, Any]) -> None:
-    """The harness's timing against raw do_bench of the same callable (d/overhead.json)."""
+    """The harness's timing against raw do_bench of the same callable (d/overhead.json). A case whose raw
+    timings disagree by more than the tolerance is disturbed: judged neither way, and measured again
+    (part_overhead); the target is met only when every case was judged."""
     ov = job_file(ctx.out / "d" / "overhead.json") or {}
-    vals = [(f"{cs['variant']}/{cs['backend']} {p}", cs[p]["overhead"]) for cs in ov.get("cases", [])
-            if cs["status"] == "ok" for p in ("fwd", "fwd_bwd") if cs[p]["overhead"] is not None]
+    cases = [(f"{cs['variant']}/{cs['backend']} {p}", cs[p], 1 + len(cs.get("earlier_rounds", [])))
+             for cs in ov.get("cases", []) if cs["status"] == "ok" for p in ("fwd", "fwd_bwd")
+             if cs[p]["overhead"] is not None]
+    vals = [(k, c["overhead"]) for k, c, _ in cases if not disturbed(c["raw_ms"])]
+    shaken = [(k, c, rounds) for k, c, rounds in cases if disturbed(c["raw_ms"])]
     worst = max(vals, key=lambda x: abs(x[1]), default=None)  # faster than raw would be a discrepancy too
+    # judged: a judged case missed, or every case judged (then the worst one decides)
+    value = worst[1] if worst is not None and (abs(worst[1]) > OVERHEAD_TOLERANCE or not shaken) else None
 
     def spread(key: str) -> str:
         """The worst case's spread, to judge it by: each harness run with its IQR, and the raw timings
@@ -294,10 +321,14 @@ def overhead_target(ctx: Context, res: dict[str, Any]) -> None:
                             for ms, iqr in zip(runs, iqrs))
         raw = ", ".join(f"{x:.4g}" for x in cs[p]["raw_ms"])
         return f"harness run{'s' if len(runs) > 1 else ''} {harness}; raw, before and after each, {raw} ms"
+    detail = [f"{k}: {v:+.2%}" for k, v in vals] + [
+        f"{k}: disturbed, not judged (raw timings {disturbed(c['raw_ms']):.0%} apart at their median, in "
+        f"{'each of its' if rounds > 1 else 'its'} {rounds} round{'s' if rounds > 1 else ''}; the last: {spread(k)})"
+        for k, c, rounds in shaken]
     res["overhead"] = ov
     res["targets"].append(target(
-        "overhead", "the harness's timing within 3% of raw do_bench of the same callable", worst and worst[1],
-        lambda v: abs(v) <= 0.03, ", ".join(f"{k}: {v:+.2%}" for k, v in vals), ctx.skips_cuda,
+        "overhead", "the harness's timing within 3% of raw do_bench of the same callable", value,
+        lambda v: abs(v) <= OVERHEAD_TOLERANCE, ", ".join(detail), ctx.skips_cuda,
         lambda v: f"{worst[0]}: {v:+.2%} ({spread(worst[0])})"))
 
 

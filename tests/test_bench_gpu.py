@@ -20,6 +20,7 @@ import sys
 import tarfile
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -797,6 +798,91 @@ def test_the_overhead_is_the_median_harness_run_over_the_median_raw_timing(tmp_p
     assert res["targets"][0]["gap"] == "linear/sdpa fwd: +13.56% (harness run 1.196 ms (IQR 7.9%); raw, before and " \
                                        "after each, 1.054, 1.053 ms)"
 
+
+
+def test_an_overhead_case_whose_raw_timings_disagree_is_not_judged(tmp_path):
+    """The H200's linear `sdpa` forward: raw timings 0.3555, 0.4761, 0.3567 and 0.4837 ms around three
+    harness runs, so the median raw timing fell between two states 33% apart; the target said "missed,
+    -14.09%" of a case in which the reference itself moved. A disturbed case is judged neither way: the
+    target is "not measured" while the judged cases pass, "missed" when one of them misses; and a case of
+    one raw timing off (the middle two agree) is judged."""
+    import torch
+
+    bench, kernels, summary = load_bench()
+    ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cuda"), None, print, ["linear"])
+    (tmp_path / "d").mkdir()
+
+    def case(variant, runs, raw):
+        return {"variant": variant, "backend": "sdpa", "status": "ok",
+                **{p: {"harness_ms": sorted(runs)[1], "harness_runs_ms": runs, "harness_iqr_ms": [0.003] * 3,
+                       "raw_ms": raw, "overhead": sorted(runs)[1] / float(np.median(raw)) - 1}
+                   for p in ("fwd", "fwd_bwd")}}
+
+    def judged(*cases):
+        (tmp_path / "d" / "overhead.json").write_text(json.dumps({"status": "ok", "cases": list(cases)}))
+        res = {"targets": []}
+        summary.overhead_target(ctx, res)
+        return res["targets"][0]
+
+    h200 = case("linear", [0.3578, 0.3793, 0.3572], [0.3555, 0.4761, 0.3567, 0.4837])
+    steady = case("full", [1.8128, 1.8123, 1.8123], [1.8123, 1.8123, 1.8119, 1.8127])
+    t = judged(steady, h200)
+    assert (t["status"], t["value"], t["gap"]) == ("not measured", None, None), t
+    assert t["detail"].startswith("full/sdpa fwd: +0.00%, full/sdpa fwd_bwd: +0.00%, linear/sdpa fwd: disturbed, "
+                                  "not judged (raw timings 33% apart at their median, in its 1 round; the last: "
+                                  "harness runs 0.3578 ms (IQR 0.8%)"), t
+    slow = case("full", [1.9, 1.9, 1.9], [1.8123, 1.8123, 1.8119, 1.8127])
+    t = judged(slow, h200)
+    assert t["status"] == "missed" and t["gap"].startswith("full/sdpa fwd: +4.84%"), t
+    assert judged(steady, case("linear", [0.3578, 0.3572, 0.3575], [0.3555, 0.4761, 0.3567, 0.3560]))["status"] == "met"
+    assert summary.disturbed([0.3555, 0.4761, 0.3567, 0.4837]) == pytest.approx(0.4761 / 0.3567 - 1)
+    assert summary.disturbed([1.0, 1.0, 1.031, 1.031]) and summary.disturbed([1.0, 1.0, 1.029, 1.029]) is None
+
+
+def test_a_disturbed_overhead_case_is_measured_again_its_rounds_kept(tmp_path):
+    """part_overhead measures a round again while its raw timings disagree (plan.overhead_rounds at most),
+    each round's harness runs in a directory of their own and every round in the file; a later call
+    measures again only a case still disturbed, after its earlier rounds; d:overhead stays open on a GPU
+    while a case is disturbed and fewer than two calls' rounds were measured. The raw timer gives the
+    H200's disturbed sequence, then steady ones; the harness runs are real (linear `sdpa` on CPU)."""
+    import torch
+
+    bench, kernels, summary = load_bench()
+    plan = dataclasses.replace(bench.SMOKE_PLAN, overhead_rounds=2)
+    ctx = bench.Context(plan, tmp_path, torch.device("cpu"), None, print, ["linear"])
+    # each raw timing is fwd's and fwd_bwd's (two calls), four a round: the H200's round, a steady one;
+    # in the second call two disturbed rounds
+    timings = iter([0.3555, 0.3555, 0.4761, 0.4761, 0.3567, 0.3567, 0.4837, 0.4837] + [0.36] * 8
+                   + [0.47, 0.47, 0.36, 0.36] * 4)
+    real = kernels.raw_timer
+    kernels.raw_timer = lambda device: lambda fn, rep, grads: next(timings)
+    try:
+        assert kernels.part_overhead(ctx) == 0
+        ov = json.loads((tmp_path / "d" / "overhead.json").read_text())
+        (lin,) = [c for c in ov["cases"] if c["variant"] == "linear"]
+        assert [r["fwd"]["raw_ms"] for r in lin["earlier_rounds"]] == [[0.3555, 0.4761, 0.3567, 0.4837]]
+        assert lin["fwd"]["raw_ms"] == [0.36] * 4 and not summary.case_disturbed(lin)
+        runs = tmp_path / "d" / "overhead" / "linear"
+        assert [len(load_rows(runs / f"run-{i}")) for i in range(3)] == [1] * 3
+        assert [r["fwd_ms"] for i in range(3) for r in load_rows(runs / "round-1" / f"run-{i}")] == lin["fwd"]["harness_runs_ms"]
+        cuda = bench.Context(dataclasses.replace(bench.GPU_PLAN, overhead_rounds=2), tmp_path, torch.device("cuda"),
+                             None, print, ["linear"])
+        step = next(s for s in cuda.steps() if s.name == "d:overhead")
+        cuda.finish("d:overhead", "complete")
+        assert cuda.complete(step)  # judged: not measured again
+        # two rounds disturbed in this call: the case is said disturbed, and measured again in the next
+        lin.update({p: {**lin[p], "raw_ms": [0.47, 0.36, 0.47, 0.36]} for p in ("fwd", "fwd_bwd")})
+        (tmp_path / "d" / "overhead.json").write_text(json.dumps(ov))
+        assert summary.case_disturbed(lin) and not cuda.complete(step)
+        assert kernels.part_overhead(ctx) == 0
+        again = json.loads((tmp_path / "d" / "overhead.json").read_text())
+        (lin2,) = [c for c in again["cases"] if c["variant"] == "linear"]
+        assert lin2["earlier_rounds"][:2] == [*lin["earlier_rounds"], {p: lin[p] for p in ("fwd", "fwd_bwd")}]
+        assert len(lin2["earlier_rounds"]) == 3 and (runs / "round-3" / "run-2").is_dir()
+        assert summary.case_disturbed(lin2) and cuda.complete(step)  # two calls' rounds: disturbed for good
+        assert [c for c in again["cases"] if c["variant"] != "linear"] == [c for c in ov["cases"] if c["variant"] != "linear"]
+    finally:
+        kernels.raw_timer = real
 
 def test_a_bar_in_a_cell_stays_in_its_column():
     """sliding_window's public kernel is named "FlexAttention mask_mod |q-kv| <= w": unescaped, its bars
