@@ -100,6 +100,50 @@ def test_cpu_small_submitit_local_launcher(tmp_path):
     assert (sweep_dir / ".submitit").is_dir()  # it did go through submitit
 
 
+@pytest.mark.parametrize("launcher", ["local_parallel", "submitit_local"])
+def test_a_job_killed_under_a_local_launcher_ends_the_sweep_with_its_summary_and_resumes(tmp_path, launcher):
+    """A job's process SIGKILLed half way (as the OOM killer would) under joblib's workers or submitit's local
+    processes: the stock launchers raised through Hydra (a traceback, no summary, status.json left running;
+    loky stops the other worker too). Now the sweep says each unfinished job in one line and its
+    status.json, ends with its summary, exit 1; the same command measures only what is missing: every
+    point exactly once (resumed after joblib's only: submitit's resume is the basic launcher's, tested
+    above, and each sweep here costs some ten processes)."""
+    sweep_dir = tmp_path / "sweep"
+    seq_lens = [32, 64, 128, 256]
+    args = ["cpu_small", *TINY, "variant=full,linear", f"seq_lens=[{','.join(map(str, seq_lens))}]",
+            "measure.min_run_time=0.1", f"hydra/launcher={launcher}", f"hydra.sweep.dir={sweep_dir}"]
+    p = subprocess.Popen(["bash", str(SWEEP_SH), *args], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # job 0 (full), once it has measured its first point
+            found = jobs(sweep_dir) if sweep_dir.is_dir() else {}
+            status = found.get("full", tmp_path) / "status.json"
+            if status.is_file() and (full := json.loads(status.read_text())).get("points_done"):
+                break
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.1)
+        os.kill(full["pid"], signal.SIGKILL)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 1 and "Traceback" not in out + err, (out + err)[-3000:]
+    summary = [line for line in out.splitlines() if line.startswith("jobs: 2 (")]
+    assert len(summary) == 1 and "failed" in summary[0], (out + err)[-3000:]
+    killed = json.loads((jobs(sweep_dir)["full"] / "status.json").read_text())
+    assert killed["state"] == "failed" and "rerun the same command to resume" in killed["error"], killed
+    assert re.search(r"^error: job 0 \(.*variant=full\): ", err, re.M), err[-3000:]
+    if launcher != "local_parallel":
+        return
+    again = sweep(*args, cwd=tmp_path)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    for variant, job in jobs(sweep_dir).items():
+        rows = [json.loads(line) for line in (job / "results.jsonl").read_text().splitlines() if line.strip()]
+        assert sorted(r["seq_len"] for r in rows) == seq_lens, (variant, rows)
+        assert json.loads((job / "status.json").read_text())["state"] == "completed", variant
+
+
 @pytest.mark.parametrize("preset", ["no_such_preset", "../sweep/cpu_small"])
 def test_unknown_preset_is_one_line_and_no_sweep_dir(tmp_path, preset):
     before = set((ROOT / "multirun").glob("*")) if (ROOT / "multirun").is_dir() else set()
@@ -274,8 +318,8 @@ def hydra_launcher_cfg(launcher: str, *overrides: str) -> dict:
 def test_slurm_launcher_composes_and_makes_the_sbatch_script(tmp_path, monkeypatch):
     cfg = hydra_launcher_cfg("slurm", "hydra.launcher.partition=gpu")
     # The plugin's launcher, waiting for every job (tests/test_slurm.py runs it on a real cluster).
-    assert cfg["_target_"] == "hydra_plugins.harness_slurm_launcher.SlurmLauncher"
-    from hydra_plugins.harness_slurm_launcher import SlurmLauncher
+    assert cfg["_target_"] == "hydra_plugins.harness_launchers.SlurmLauncher"
+    from hydra_plugins.harness_launchers import SlurmLauncher
     # By name: Hydra's plugin scan may have loaded the plugin's module afresh in this process.
     assert "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher" in {
         f"{c.__module__}.{c.__qualname__}" for c in SlurmLauncher.__mro__}
@@ -305,10 +349,18 @@ def test_slurm_launcher_composes_and_makes_the_sbatch_script(tmp_path, monkeypat
     assert "@120" in next(line for line in script.splitlines() if line.startswith("#SBATCH --signal="))
 
 
-def test_local_parallel_launcher_composes():
+def test_the_local_launchers_compose_to_the_harness_launchers():
+    """local_parallel is joblib's config with the harness's JoblibLauncher; submitit_local the plugin's
+    own config (its keys, validated) with the harness's LocalLauncher."""
+    from hydra_plugins.harness_launchers import JoblibLauncher, LocalLauncher
+    from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher as StockJoblibLauncher
+
     cfg = hydra_launcher_cfg("local_parallel")
-    assert cfg["_target_"] == "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
-    assert cfg["n_jobs"] == 2
+    assert cfg["_target_"] == "hydra_plugins.harness_launchers.JoblibLauncher"
+    assert cfg["n_jobs"] == 2 and issubclass(JoblibLauncher, StockJoblibLauncher)
+    cfg = hydra_launcher_cfg("submitit_local")
+    assert cfg["_target_"] == "hydra_plugins.harness_launchers.LocalLauncher" and LocalLauncher._EXECUTOR == "local"
+    assert {"timeout_min", "cpus_per_task", "mem_gb", "submitit_folder"} <= set(cfg), cfg
 
 
 def dashboard(*args: str, home: Path) -> subprocess.CompletedProcess:
