@@ -207,14 +207,23 @@ class RunState:
 
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory) / RUN_STATE
+        self.damaged: str | None = None  # what is wrong with a file that is not as save() writes it
         try:
             saved = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        except FileNotFoundError:
             saved = {}
-        saved = saved if isinstance(saved, dict) else {}
+        except (OSError, ValueError) as e:
+            saved, self.damaged = {}, f"does not read as JSON ({type(e).__name__})"
+        if not isinstance(saved, dict):
+            saved, self.damaged = {}, "is not a JSON object"
+        kinds = {"id": str, "next_step": int, "points": int}  # bool is an int: not one of these
+        wrong = [k for k, kind in kinds.items() if k in saved and not (
+            isinstance(saved[k], kind) and not isinstance(saved[k], bool) and (kind is str or saved[k] >= 0))]
+        if wrong:
+            saved, self.damaged = {}, f"holds {', '.join(f'{k}={saved[k]!r}'[:80] for k in wrong)}"
         self.run_id: str | None = saved.get("id")
-        self.step: int = int(saved.get("next_step", 0))
-        self.points: int = int(saved.get("points", 0))  # rows logged (a state of older code: 0, unknown)
+        self.step: int = saved.get("next_step", 0)
+        self.points: int = saved.get("points", 0)  # rows logged (a state of older code: 0, unknown)
 
     def save(self, run_id: str) -> None:
         from .results import write_json

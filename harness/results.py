@@ -494,25 +494,30 @@ def _parse_cell(name: str, text: str | None) -> Any:
 def parse_csv(text: str) -> Contents:
     """A results.csv checked as ``parse_jsonl`` checks a results.jsonl: each row's cells by their field's
     type (``_parse_cell``); a row that is not a result row (``row_problem``) or holds bytes that are not
-    UTF-8 is a damaged line, left out and named."""
+    UTF-8 is a damaged line, left out and named. A file csv cannot read (a cell past its field size limit,
+    128 KiB: no row the harness writes) is damaged whole."""
     rows, damaged = [], []
     lines = text.split("\n")
     reader = csv.DictReader(io.StringIO(text, newline=""))
     end = 1  # the header
-    for raw in reader:
-        start, end = end + 1, reader.line_num
-        row = {k: _parse_cell(k, v) for k, v in raw.items() if k is not None}
-        verbatim = "\n".join(lines[start - 1:end]).rstrip("\r")
-        # DictReader fills the cells a row lacks with None, and gathers the cells past the header under the
-        # key None: a row cut short would read as one with empty cells, a row joined to the next as the first
-        cells = sum(v is not None for k, v in raw.items() if k is not None) + len(raw.get(None, []))
-        problem = ("not UTF-8" if UNDECODABLE.search(verbatim) else
-                   f"{cells} cells, the header has {len(reader.fieldnames or ())}"
-                   if None in raw or None in raw.values() else row_problem(row))
-        if problem is None:
-            rows.append(row)
-        else:
-            damaged.append(Damaged(end, verbatim, problem))
+    try:
+        for raw in reader:
+            start, end = end + 1, reader.line_num
+            row = {k: _parse_cell(k, v) for k, v in raw.items() if k is not None}
+            verbatim = "\n".join(lines[start - 1:end]).rstrip("\r")
+            # DictReader fills the cells a row lacks with None, and gathers the cells past the header under
+            # the key None: a row cut short would read as one with empty cells, a row joined to the next as
+            # the first
+            cells = sum(v is not None for k, v in raw.items() if k is not None) + len(raw.get(None, []))
+            problem = ("not UTF-8" if UNDECODABLE.search(verbatim) else
+                       f"{cells} cells, the header has {len(reader.fieldnames or ())}"
+                       if None in raw or None in raw.values() else row_problem(row))
+            if problem is None:
+                rows.append(row)
+            else:
+                damaged.append(Damaged(end, verbatim, problem))
+    except csv.Error as e:
+        return Contents([], [Damaged(reader.line_num, "", f"not a CSV the harness writes ({e})")], [])
     return Contents(rows, damaged, [])
 
 
@@ -888,9 +893,11 @@ class ResultStore:
     results.csv that is not a view of the jsonl (rows the jsonl lacks) is moved aside first, with its
     fit.json.
     Raises LockedError when another run holds the directory (another job of the same ``sweep`` is waited
-    for: DirectoryLock), OSError when it cannot be written."""
+    for: DirectoryLock), OSError when it cannot be written; ``on_failure`` is called with what ended the
+    opening (an error, Ctrl-C) while the lock is still held."""
 
-    def __init__(self, output_dir: Path, resume: bool = True, warn=None, sweep: str | None = None) -> None:
+    def __init__(self, output_dir: Path, resume: bool = True, warn=None, sweep: str | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.output_dir = Path(output_dir)
         self.warn = warn or _stderr
         self.jsonl = self.output_dir / "results.jsonl"
@@ -902,20 +909,35 @@ class ResultStore:
             if self.lock.taken_over:
                 self.warn(f"took over {self.lock.path}, left by a run that is gone "
                           f"({describe_holder(self.lock.taken_over)})")
-            if resume:
+            # resume=false moves an earlier command's rows aside, not those of this multirun's other jobs
+            if resume or self._this_multiruns():
                 if self.jsonl.exists():
                     self._load()
                 self._keep_a_foreign_csv()
                 self._new_wandb_run_if_rows_were_lost()
-            else:  # with the rows, their views, the fit of them and the wandb run they were logged to: a new run
-                move_aside([self.jsonl, self.csv, self.output_dir / "fit.json", self.output_dir / RUN_STATE],
-                           "replaced")
+            else:  # the rows, their views, the fit of them and the wandb run they were logged to: a new run
+                aside = move_aside([self.jsonl, self.csv, self.output_dir / "fit.json", self.output_dir / RUN_STATE],
+                                   "replaced")
+                if aside:
+                    self.warn(f"resume=false: the directory's earlier results moved aside, not read again: "
+                              f"{', '.join(a.name for a in aside)}")
             open(self.jsonl, "a").close()  # writable, or OSError now, before anything is measured
             if self.rows or self.csv.exists():
                 write_csv(self.csv, latest(self.rows))
-        except BaseException:
-            self.lock.release()
+        except BaseException as e:
+            try:
+                if on_failure is not None:  # told while the directory is still this run's
+                    on_failure(e)
+            finally:
+                self.lock.release()
             raise
+
+    def _this_multiruns(self) -> bool:
+        """Whether the directory's rows are this multirun's own: jobs of one sweep over ``seq_lens`` share a
+        directory, and with resume=false each job moved the one before it aside (only the last job's
+        lengths were left to read, and said nowhere). They are read as resume=true reads them."""
+        multirun = os.environ.get(MULTIRUN_ENV)
+        return multirun is not None and job_state(self.output_dir).get("multirun") == multirun
 
     def _keep_a_foreign_csv(self) -> None:
         """A results.csv that is not a view of results.jsonl (a point the jsonl lacks, a damaged line; say,
@@ -935,6 +957,10 @@ class ResultStore:
         lines damaged): the points measured again would be charted beside their lost measurements in one
         history. Its state is moved aside, as resume=false does, and the run goes to a new wandb run."""
         state = RunState(self.output_dir)
+        if state.damaged is not None:  # not as the logger writes it (edited, cut): read as no run
+            aside = move_aside([self.output_dir / RUN_STATE], "damaged")
+            self.warn(f"{RUN_STATE} {state.damaged}: moved to {aside[0].name}; the points go to a new wandb run")
+            return
         if state.run_id is not None and state.points > len(self.rows):
             aside = move_aside([self.output_dir / RUN_STATE], "replaced")
             self.warn(f"wandb run {state.run_id} logged {state.points} point(s) and {self.jsonl.name} holds "

@@ -179,8 +179,14 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
             team.serve()  # measures the points rank 0 names; rank 0 writes them
             return None
         out_dir = resolve_output_dir(output_dir, settings)
+        total = len(settings.seq_lens)
         try:
-            store = ResultStore(out_dir, resume=settings.resume, sweep=sweep_dir())
+            def said(e: BaseException) -> None:  # an OSError is refused below (ConfigError, exit 2): none
+                if not isinstance(e, OSError):
+                    ended_unstarted(out_dir, total, e)
+            store = ResultStore(out_dir, resume=settings.resume, sweep=sweep_dir(), on_failure=said)
+        except KeyboardInterrupt as e:  # while the store opened: said in its status.json if it held the lock
+            raise RunInterrupted(*interruption(e, 0, total)) from None
         except LockedError as e:
             raise DirectoryInUse(str(e)) from None
         except OSError as e:  # named down to the file (a read-only results.jsonl in a writable directory)
@@ -223,8 +229,11 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
         series = series_key(point_identity(attn, settings, device, settings.seq_lens[0]))
         series_rows = {key: row for key, row in stored.items() if series_key(row) == series and machine(row) == here}
         task_cache: dict[int, dict[str, Any]] = {}  # task.seq_len fixed: trained once, reused at every point
-    except Exception as e:  # a sweep counts its jobs by their status.json
-        JobStatus(out_dir, len(settings.seq_lens)).finish("failed", one_line(f"{type(e).__name__}: {e}")[:500])
+    except KeyboardInterrupt as e:  # a sweep counts its jobs by their status.json
+        ended_unstarted(out_dir, len(settings.seq_lens), e)
+        raise RunInterrupted(*interruption(e, 0, len(settings.seq_lens))) from None
+    except Exception as e:
+        ended_unstarted(out_dir, len(settings.seq_lens), e)
         raise
     try:
         status.save()  # "running", the kept points counted
@@ -274,16 +283,18 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
             for sink in sinks:
                 sink.complete(sweep)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through the command line's handler
-        signal_name, code = (e.NAME, e.EXIT_CODE) if isinstance(e, Terminated) else ("Ctrl-C", 130)
-        message = (f"interrupted ({signal_name}) after {len(done)} of {len(wanted)} points; rerun the same "
-                   f"command to resume")
+        message, code = interruption(e, len(done), len(wanted))
         status.finish("interrupted", message)
         raise RunInterrupted(message, code) from None
     except OSError as e:  # the directory stopped taking writes (a full disk): what was written stands
-        message = one_line(f"cannot write results to {out_dir}: {e.strerror or e} ({len(done)} of "
+        # counted from the file: a row appended before its results.csv could not be rewritten is there
+        current = store.current()
+        held = sum(key in current for key in wanted)
+        message = one_line(f"cannot write results to {out_dir}: {e.strerror or e} ({held} of "
                            f"{len(wanted)} points are in results.jsonl; make room and rerun the same command "
                            f"to resume)")
         try:
+            status.info.update(points_done=max(held, status.info["points_done"]))
             status.finish("failed", message)
         except OSError:
             pass
@@ -295,6 +306,25 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
         status.finish("failed", one_line(f"{type(e).__name__}: {e}")[:500])
         raise
     return sweep
+
+
+def interruption(e: KeyboardInterrupt, done: int, wanted: int) -> tuple[str, int]:
+    """Ctrl-C, or SIGTERM through the command line's handler: the run's one line and exit code."""
+    signal_name, code = (e.NAME, e.EXIT_CODE) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+    return f"interrupted ({signal_name}) after {done} of {wanted} points; rerun the same command to resume", code
+
+
+def ended_unstarted(out_dir: Path, total: int, e: BaseException) -> None:
+    """status.json says how a run ended before its first point, while it held the directory: interrupted,
+    or failed with the error (a file of the directory the store could not read, say). It said the last
+    run's state before: "completed", and a sweep then counted the job as not run by it at all."""
+    try:
+        if isinstance(e, KeyboardInterrupt):
+            JobStatus(out_dir, total).finish("interrupted", interruption(e, 0, total)[0])
+        else:
+            JobStatus(out_dir, total).finish("failed", one_line(f"{type(e).__name__}: {e}")[:500])
+    except OSError:  # the directory takes no writes: the error said is the run's own
+        pass
 
 
 def stopped_by(rows: Iterable[Mapping[str, Any]], seq_len: int) -> str | None:

@@ -363,7 +363,8 @@ def test_a_results_csv_that_is_not_the_jsonls_view_is_moved_aside_not_rewritten(
     table = (view / "results.csv").read_text()
     ResultStore(view, resume=False, warn=said.append).close()
     (csv_aside,) = view.glob("results.csv.replaced-*")
-    assert csv_aside.read_text() == table and list(view.glob("results.jsonl.replaced-*")) and not said
+    assert csv_aside.read_text() == table and list(view.glob("results.jsonl.replaced-*"))
+    assert len(said) == 1 and said[0].startswith("resume=false: the directory's earlier results moved aside"), said
 
 
 def test_text_that_is_not_utf8_inside_a_row_neither_crashes_a_run_nor_splits_a_line(tmp_path):
@@ -580,7 +581,11 @@ def test_a_full_disk_fails_in_one_line_keeps_what_was_written_and_resumes(small_
         rows = list(csv.reader(f))
     assert rows[0] == csv_before.splitlines()[0].split(",") and len(rows) >= 2
     assert all(len(r) == len(rows[0]) for r in rows)
-    assert parse_jsonl((out / "results.jsonl").read_text()).rows
+    held = {r["seq_len"] for r in parse_jsonl((out / "results.jsonl").read_text()).rows}
+    # what the file holds, counted: a row appended in the last free page before its results.csv found no
+    # room was left out of the line and status.json ("1 of 8" where results.jsonl held two)
+    assert f"({len(held)} of 8 points are in results.jsonl;" in line and status["points_done"] == len(held), \
+        (line, status, held)
     filler.unlink()
     proc = cli(seq_lens, f"hydra.run.dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -668,3 +673,112 @@ def test_non_finite_output_or_gradients_make_the_point_nonfinite(tmp_path):
     assert [(r.seq_len, r.status) for r in rows] == [(32, "ok"), (48, "nonfinite")]
     assert rows[1].reason == "non-finite values (NaN or Inf) in output, dq, dk, dv in float32"
     assert rows[1].fwd_ms is None and rows[1].noisy is None  # nothing timed
+
+
+# ----- files of the directory the store reads, damaged; an interrupt while it opens ----------------
+
+@pytest.mark.parametrize("state", ['{"id": "abc", "next_step": 3, "points": 1e400}', '{"id": "abc", "next_step": null}',
+                                   '{"id": 7}', "[1]", "{cut"])
+def test_a_damaged_wandb_run_state_is_set_aside_and_the_run_goes_on(tmp_path, capsys, state):
+    """wandb/harness-run.json not as the logger writes it: read with int() it was a traceback (OverflowError,
+    TypeError) before the run's status was written, logger=none too, and a sweep then counted the job
+    as not run by it (exit 0, its new lengths never measured). It is moved aside, said in one line, and
+    the run measures its points."""
+    out = tmp_path / "D"
+    run(compose_cfg(*TINY, "seq_lens=[32]"), output_dir=out)
+    (out / "wandb").mkdir()
+    (out / "wandb" / "harness-run.json").write_text(state)
+    capsys.readouterr()
+    run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=out)
+    said = [line for line in capsys.readouterr().err.splitlines() if "harness-run.json" in line]
+    assert len(said) == 1 and "moved to harness-run.json.damaged-" in said[0], said
+    (aside,) = (out / "wandb").glob("harness-run.json.damaged-*")
+    assert aside.read_text() == state
+    assert sorted(r["seq_len"] for r in read_jsonl(out / "results.jsonl")) == [32, 40]
+    assert json.loads((out / "status.json").read_text())["state"] == "completed"
+
+
+def test_a_results_csv_csv_cannot_read_is_set_aside_and_the_run_goes_on(tmp_path, capsys):
+    """A cell past csv's field size limit (128 KiB): csv.Error escaped the store, a traceback."""
+    out = tmp_path / "D"
+    run(compose_cfg(*TINY, "seq_lens=[32]"), output_dir=out)
+    text = (out / "results.csv").read_text()
+    (out / "results.csv").write_text(text + "x" * 200_000 + "\n")
+    capsys.readouterr()
+    run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=out)
+    assert "results.csv holds rows that results.jsonl does not: moved to" in capsys.readouterr().err
+    (aside,) = out.glob("results.csv.replaced-*")
+    assert aside.read_text().startswith(text)
+    assert sorted(r["seq_len"] for r in read_jsonl(out / "results.jsonl")) == [32, 40]
+
+
+def test_a_failure_while_the_store_opens_is_the_runs_status(tmp_path, monkeypatch):
+    """What ended a run before its first point, while it held the directory, is in its status.json:
+    failed with the error, or interrupted (Ctrl-C, SIGTERM: exit 130 / 143). It said the last run's
+    "completed" before, and the sweep counted the job as not its own. The error is a real one of the
+    store: a results.jsonl whose bytes cannot be read (EIO-like: a directory in its place is an OSError
+    the command line says; here the reading raises)."""
+    from harness import results
+    from harness.run import RunInterrupted
+
+    out = tmp_path / "D"
+    run(compose_cfg(*TINY, "seq_lens=[32]"), output_dir=out)
+    for raised, state in ((ValueError("cannot read"), "failed"), (KeyboardInterrupt(), "interrupted")):
+        def read(path, raised=raised):
+            raise raised
+        monkeypatch.setattr(results, "read_text", read)
+        with pytest.raises((ValueError, RunInterrupted)):
+            run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=out)
+        status = json.loads((out / "status.json").read_text())
+        assert status["state"] == state and status["pid"] == os.getpid(), status
+        assert not DirectoryLock.is_held(out)
+    monkeypatch.undo()
+    run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=out)  # resumes
+    assert sorted(r["seq_len"] for r in read_jsonl(out / "results.jsonl")) == [32, 40]
+
+
+def test_sigterm_as_the_store_opens_is_one_line_status_interrupted(tmp_path):
+    """SIGTERM as soon as the run holds the directory (its store reading a long results.jsonl): the
+    status said "completed" (the last run's), while the command said its status.json tells how it ended.
+    Now: one line, exit 143, status interrupted; the same command resumes."""
+    out = tmp_path / "D"
+    assert cli("seq_lens=[32]", f"hydra.run.dir={out}").returncode == 0
+    row = (out / "results.jsonl").read_text()
+    (out / "results.jsonl").write_text(row * 20000)  # the same point: read, kept once
+    proc = start("seq_lens=[32,40]", f"hydra.run.dir={out}")
+    wait_for(lambda: str(proc.pid) in (out / "harness.lock").read_text(errors="replace")
+             if (out / "harness.lock").exists() else False, proc, "the lock", timeout=60)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    status = json.loads((out / "status.json").read_text())
+    if status.get("points_done", 0) > 1:  # the store had opened and a point was measured: nothing tested
+        pytest.skip("the run measured before the signal came")
+    assert proc.returncode == 143, err
+    assert error_line(err).startswith("error: interrupted (SIGTERM) after 0 of 2 points"), err
+    assert status["state"] == "interrupted" and status["pid"] == proc.pid, status
+    assert cli("seq_lens=[32,40]", f"hydra.run.dir={out}").returncode == 0
+    assert sorted({r["seq_len"] for r in read_jsonl(out / "results.jsonl")}) == [32, 40]
+
+
+def test_resume_false_in_a_sweep_over_seq_lens_keeps_each_jobs_rows(tmp_path):
+    """resume=false with jobs sharing a directory (a sweep over seq_lens): each job moved the one before it
+    aside, unsaid, and only the last job's lengths were left to read. Rows of this multirun's own are
+    kept; an earlier command's are moved aside, said in one line."""
+    sweep = tmp_path / "S"
+    def multirun(lengths: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "harness", "-m", *TINY, f"seq_lens={lengths}", "resume=false",
+                               f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    first = multirun("[32],[40]")
+    assert first.returncode == 0, first.stderr[-2000:]
+    (job,) = [d for d in sweep.iterdir() if (d / "results.jsonl").exists()]
+    assert sorted(r["seq_len"] for r in read_jsonl(job / "results.jsonl")) == [32, 40]
+    with open(job / "results.csv") as f:  # the view too: the second job read the first's rows
+        assert sorted(int(r["seq_len"]) for r in csv.DictReader(f)) == [32, 40]
+    assert not list(job.glob("results.jsonl.replaced-*"))
+    again = multirun("[48]")
+    assert again.returncode == 0, again.stderr[-2000:]
+    (aside,) = job.glob("results.jsonl.replaced-*")
+    assert sorted(r["seq_len"] for r in read_jsonl(aside)) == [32, 40]
+    assert [r["seq_len"] for r in read_jsonl(job / "results.jsonl")] == [48]
+    assert "resume=false: the directory's earlier results moved aside, not read again: results.jsonl.replaced-" \
+        in again.stderr

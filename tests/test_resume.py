@@ -101,9 +101,10 @@ def test_rerunning_a_finished_run_measures_nothing_and_resume_false_keeps_the_ol
 
 
 def test_resume_false_runs_within_one_second_keep_every_replaced_row(tmp_path, monkeypatch):
-    """Jobs of a multirun into one directory with resume=false each move the last one's results aside, often
-    within the same second: the aside names must never collide (one was renamed over the other: its rows
-    were lost). Each replaced results.jsonl keeps its own fit.json beside it, under the same suffix."""
+    """Runs into one directory with resume=false, each moving the last one's results aside, often within the
+    same second (a script's loop; jobs of one multirun keep each other's rows): the aside names must never
+    collide (one was renamed over the other: its rows were lost). Each replaced results.jsonl keeps its own
+    fit.json beside it, under the same suffix."""
     from harness import results
     from harness.results import Result
 
