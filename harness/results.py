@@ -45,6 +45,7 @@ import numpy as np
 
 from .config import INT64_MAX, PASSES, utf8
 from .logger import RUN_STATE, RunState
+from .signals import interrupts_deferred
 
 STATUSES = ("ok", "oom", "skipped", "error", "nonfinite")
 # The multirun a job belongs to: set by the multirun (harness.hydra_hooks), inherited by its jobs' processes
@@ -755,17 +756,24 @@ class DirectoryLock:
                 on_wait(f"waiting for another job of this sweep, which holds {self.path.parent} "
                         f"({describe_holder(holder)})")
             fcntl.flock(f, fcntl.LOCK_EX)
-        previous = _holder(f)
-        self.taken_over = previous or None
-        f.seek(0)
-        f.truncate()
-        line = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now(),
-                **({"sweep": self.sweep} if self.sweep is not None else {})}
-        f.write(json.dumps(line) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-        self._file = f
+        # An interrupt (Ctrl-C, SIGTERM) landing once this run's line is written is raised with the lock
+        # held (``held``): its store then says in status.json how the run ended
+        with interrupts_deferred():
+            previous = _holder(f)
+            self.taken_over = previous or None
+            f.seek(0)
+            f.truncate()
+            line = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now(),
+                    **({"sweep": self.sweep} if self.sweep is not None else {})}
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            self._file = f
+            os.fsync(f.fileno())
         return self
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
 
     def release(self) -> None:
         if self._file is not None:
@@ -904,8 +912,9 @@ class ResultStore:
         self.csv = self.output_dir / "results.csv"
         self.rows: list[dict[str, Any]] = []
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.lock = DirectoryLock(self.output_dir, sweep).acquire(on_wait=self.warn)
+        self.lock = DirectoryLock(self.output_dir, sweep)
         try:
+            self.lock.acquire(on_wait=self.warn)
             if self.lock.taken_over:
                 self.warn(f"took over {self.lock.path}, left by a run that is gone "
                           f"({describe_holder(self.lock.taken_over)})")
@@ -926,7 +935,7 @@ class ResultStore:
                 write_csv(self.csv, latest(self.rows))
         except BaseException as e:
             try:
-                if on_failure is not None:  # told while the directory is still this run's
+                if on_failure is not None and self.lock.held:  # told while the directory is still this run's
                     on_failure(e)
             finally:
                 self.lock.release()
