@@ -160,7 +160,9 @@ def test_cancelled_and_failed_jobs_are_said_and_the_same_command_resumes(cluster
     rc, out, err = finish(p)
     assert rc == 1, out[-2000:] + err[-3000:]
     # Neither killed job writes a result: the launcher does not wait the 15 s it gives a late result file
-    assert time.monotonic() - signalled_at < 12, time.monotonic() - signalled_at
+    # (that wait alone would make it 15 s; the rest, SLURM ending the jobs and sacct, took 13.3 s once in
+    # CI on a busy 2-core machine, where 12 s was the limit)
+    assert time.monotonic() - signalled_at < 15, time.monotonic() - signalled_at
     assert "jobs: 2 (failed 1, interrupted 1)" in out, out[-2000:]
     assert "rerun the same command to resume" in err
     states = sacct_states(cluster, [full_job, linear_job])
