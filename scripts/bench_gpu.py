@@ -50,6 +50,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -320,9 +321,9 @@ def run_step(ctx: Context, step: Step) -> None:
             rc = proc.wait(timeout=None if ctx.left() == float("inf") else max(1.0, ctx.left() + grace))
             spent = rc == BUDGET_SPENT and step.preset is None
         except subprocess.TimeoutExpired:
-            rc, spent = stop(proc), True
+            rc, spent = stop([proc])[0], True
         except KeyboardInterrupt as e:  # Ctrl-C reached the step too (one process group); SIGTERM is passed on
-            stop(proc, signal.SIGTERM if isinstance(e, Terminated) else None)
+            stop([proc], signal.SIGTERM if isinstance(e, Terminated) else None)
             raise
         ctx.finish(step.name, "complete" if rc == 0 else "interrupted by the budget" if spent else f"exit {rc}")
         if spent:
@@ -334,16 +335,19 @@ def run_step(ctx: Context, step: Step) -> None:
         ctx.log(f"[{step.name}] exit {rc}: once more, resuming")
 
 
-def stop(proc: subprocess.Popen, sig: int | None = signal.SIGTERM) -> int:
-    """Ends a step's process as a budget or an interrupt does: ``sig`` (None: it has its own, a Ctrl-C),
-    30 s for it to record where it stopped, then a kill. Its exit code."""
-    if sig is not None:
+def stop(procs: list[subprocess.Popen], sig: int | None = signal.SIGTERM) -> list[int]:
+    """Ends processes as a budget or an interrupt does: ``sig`` (None: they have their own, a Ctrl-C) to
+    each still running, 30 s for them to record where they stopped, then a kill. Their exit codes."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running if sig is not None else []:
         proc.send_signal(sig)
-    try:
-        return proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
+    deadline = time.monotonic() + 30
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return [proc.wait() for proc in procs]
 
 
 def compiled(step: Step) -> bool:
@@ -412,23 +416,40 @@ def precompile(ctx: Context, steps: list[Step]) -> None:
     ctx.log(f"[precompile] {points} points of {', '.join(s.name for s in steps)} in {len(chunks)} processes, "
             f"{width} at once, warm-up calls only, within {limit:.0f} s")
     scratch = Path(tempfile.mkdtemp(prefix="precompile-"))
+    started: list[subprocess.Popen] = []  # under ``lock``: an interrupt stops these, and no new one starts
+    lock, stopping = threading.Lock(), threading.Event()
 
     def warm(i: int, step: Step, lens: list[int]) -> str | None:
         """None once compiled, else what happened."""
         overrides = [o for o in with_seq_lens(step.preset, list(step.overrides), lambda n: n in lens)
                      if o.split("=", 1)[0] not in WARM_UP_ONLY] + [f"{k}={v}" for k, v in WARM_UP_ONLY.items()]
+        with lock:
+            if stopping.is_set():
+                return "not started: interrupted"
+            proc = subprocess.Popen([sys.executable, *command(ctx, step, tuple(overrides), scratch / str(i))],
+                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            started.append(proc)
         try:
-            proc = subprocess.run([sys.executable, *command(ctx, step, tuple(overrides), scratch / str(i))], cwd=ROOT,
-                                  env=env, capture_output=True, text=True, timeout=max(0, deadline - time.monotonic()))
+            output, _ = proc.communicate(timeout=max(0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
             return "stopped at the limit"
-        last = (proc.stdout + proc.stderr).strip().splitlines()[-1:]
+        last = output.strip().splitlines()[-1:]
         return None if proc.returncode == 0 else f"exit {proc.returncode}: {''.join(last)}"
 
+    pool = ThreadPoolExecutor(width)
     try:
-        with ThreadPoolExecutor(width) as pool:
-            outcomes = list(pool.map(lambda c: warm(c[0], *c[1]), enumerate(chunks)))
+        outcomes = list(pool.map(lambda c: warm(c[0], *c[1]), enumerate(chunks)))
+    except KeyboardInterrupt as e:
+        # The processes compiling end as run_step's do: SIGTERM passed on (a Ctrl-C reached them too: one
+        # process group), 30 s to end, then a kill; the pool's threads then return, and the interrupt goes on.
+        with lock:
+            stopping.set()
+        stop(started, signal.SIGTERM if isinstance(e, Terminated) else None)
+        raise
     finally:
+        pool.shutdown(cancel_futures=True)
         shutil.rmtree(scratch, ignore_errors=True)
     for (step, lens), outcome in zip(chunks, outcomes):
         if outcome:  # said, not fatal: the sweep compiles those points itself

@@ -490,6 +490,44 @@ def test_compiled_sweeps_are_compiled_ahead_several_at_once_and_then_measured_as
     assert len(said) == 4 and said[3].startswith("[precompile] 0 of 2 processes compiled theirs in "), said
 
 
+def test_sigterm_while_compiling_ahead_is_passed_on_to_the_processes_compiling(tmp_path):
+    """A SIGTERM to bench_gpu.py alone (a scheduler's cancel, ``kill``) while it compiled ahead waited for
+    every compiling process to end by itself, up to its share of the budget, and left them compiling; now
+    they get it too, and the script ends in its one line. Children that sleep stand in for compilers."""
+    script = f"""
+import subprocess, sys
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "scripts")!r}]
+import torch, bench_gpu as bench
+from harness.config import ctrl_c_is_one_line
+bench.COMPILED = ("sdpa",)
+bench.command = lambda *a, **k: ["-c", "import time; time.sleep(120)"]
+ctx = bench.Context(bench.SMOKE_PLAN, __import__("pathlib").Path({str(tmp_path / "out")!r}), torch.device("cpu"),
+                    None, print, ["linear"])
+step = next(s for s in ctx.steps("a-targets") if bench.compiled(s))
+sys.exit(ctrl_c_is_one_line(lambda: bench.precompile(ctx, [step]), "bench_gpu.py", "rerun to resume"))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        children: list[str] = []
+        deadline = time.monotonic() + 120
+        while len(children) < 2 and proc.poll() is None and time.monotonic() < deadline:  # one per length: two
+            time.sleep(0.2)
+            children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 2, (children, proc.poll())
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=40)  # the children sleep 120 s
+        except subprocess.TimeoutExpired:
+            pytest.fail("bench_gpu.py waited for the compiling processes to end by themselves")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "bench_gpu.py: interrupted (SIGTERM); rerun to resume", err
+    assert not [c for c in children if os.path.exists(f"/proc/{c}")], "a compiling process outlived the script"
+
+
 def test_each_run_of_compiled_sweeps_is_compiled_ahead_once_when_it_is_reached(tmp_path, monkeypatch, capsys):
     """The job compiles ahead where a run of consecutive compiled sweeps begins, those sweeps only: the
     cache is this machine's, so compiling a later run's points first would be lost with a call that ends
