@@ -294,6 +294,31 @@ def test_a_peak_of_zero_has_no_ratio_and_the_report_is_whole(tmp_path):
     assert (tmp_path / "report" / "report.html").is_file()
 
 
+def test_a_peak_of_zero_is_marked_on_the_log_plot_and_listed(tmp_path, capsys, monkeypatch):
+    """A measured peak of 0 has no place on the log-log memory plot: it vanished there, unsaid (the line
+    dove off the axis at its N). It is marked at the plot's bottom, named in a table of report.html and in
+    the printed output, and the every-point table keeps its 0."""
+    write_sweep(tmp_path, [[row("full", "sdpa", n, fwd=1.0, mem=0 if n == 64 else 100 * n) for n in (32, 64, 128)],
+                           [row("blockwise", "blocksparse", n, fwd=1.0, mem=50 * n) for n in (32, 64, 128)]])
+    drawn, save = {}, report._save
+
+    def spy(fig, path):  # the memory plot's marks and title, read before it is closed
+        ax = fig.axes[0]
+        drawn[path.stem] = ([(t.get_text(), t.xy[0]) for t in ax.texts], ax.get_title())
+        return save(fig, path)
+
+    monkeypatch.setattr(report, "_save", spy)
+    assert report.main([str(tmp_path)]) == 0
+    texts, title = drawn["peak_mem_bytes"]
+    assert ("0", 64) in texts and "a value of 0" in title
+    assert "a value of 0" not in drawn["fwd_ms"][1]  # said only where there is one
+    html = (tmp_path / "report" / "report.html").read_text()
+    assert "<tr><td>full/sdpa</td><td>64</td><td>peak_mem_bytes</td></tr>" in html
+    # the every-point table keeps the 0 (peak MiB: the 6th cell after the status)
+    assert re.search(r"<tr><td>full/sdpa</td><td>64</td><td>ok</td>(<td>[^<]*</td>){6}<td>0</td>", html)
+    assert re.search(r"full/sdpa\s+64\s+peak_mem_bytes", capsys.readouterr().out)
+
+
 def test_a_crossover_cell_says_whether_nothing_ran_at_a_common_n_or_it_was_noisy():
     """A series compared at no N: none the two both ran, or every such point's timing noisy (flagged on a
     busy machine): the cell says which, not "timed by neither" for points that were timed."""

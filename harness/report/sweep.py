@@ -18,7 +18,9 @@ load every pass's) are drawn hollow, left out of the fitted exponents and of the
 listed in their own table; the point's other passes count as measured. ``--fit-from N`` fits the
 exponents over N and longer only: on a GPU the short lengths are bound by kernel launches, not by the
 algorithm, and flatten a fit over every length. Time plots carry
-error bars of the interquartile range (median ± IQR/2). Each series keeps one colour in every figure.
+error bars of the interquartile range (median ± IQR/2). A measured 0 (a peak within the inputs), which a log
+axis cannot show, is marked at the plot's bottom and listed in its own table. Each series keeps one colour
+in every figure.
 """
 
 from __future__ import annotations
@@ -201,14 +203,26 @@ def _headroom(ax) -> None:
     ax.set_ylim(lo, hi * (hi / lo) ** 0.2)
 
 
+def _mark_edge(ax, marks: list[tuple[int, str]], y: float, marker: str, color, index: int) -> None:
+    """Points the y axis cannot show, as ``marker`` at height ``y`` (axes fraction) at their N, each
+    labelled with its text; ``index`` staggers the labels of series marked at one N."""
+    at = ax.get_xaxis_transform()  # x in data, y in axes fraction
+    dy = -4 - 7 * index if y > 0.5 else 4 + 7 * index  # labels inward from the edge
+    for n, text in marks:
+        ax.plot([n], [y], marker, color=color, transform=at, markersize=8, mew=2)
+        ax.annotate(text, (n, y), xycoords=at, textcoords="offset points", xytext=(4, dy), fontsize=6, color=color)
+
+
 def _mark_failures(ax, rows: Rows, color, index: int) -> None:
     """Not-ok points as an 'x' at the top of the axis at their N, labelled with the status."""
-    top = ax.get_xaxis_transform()  # x in data, y in axes fraction
-    for r in rows:
-        if r.get("status") != "ok":
-            ax.plot([r["seq_len"]], [0.97], "x", color=color, transform=top, markersize=8, mew=2)
-            ax.annotate(str(r.get("status")), (r["seq_len"], 0.97), xycoords=top, textcoords="offset points",
-                        xytext=(4, -4 - 7 * index), fontsize=6, color=color)
+    _mark_edge(ax, [(r["seq_len"], str(r.get("status"))) for r in rows if r.get("status") != "ok"], 0.97, "x",
+               color, index)
+
+
+def _mark_zeros(ax, rows: Rows, metric: str, color, index: int) -> None:
+    """Measured zeros (a peak within the inputs) as a 'v' at the bottom of the axis at their N: a log axis
+    has no place for 0, and a point it cannot draw vanished unsaid."""
+    _mark_edge(ax, [(r["seq_len"], "0") for r in rows if ok_value(r, metric) == 0], 0.03, "v", color, index)
 
 
 def _line(ax, pts: list[tuple[int, float, bool]], color, label: str, errs: list[float] | None = None) -> None:
@@ -229,12 +243,14 @@ def scaling_plot(groups: dict[Series, Rows], labels: dict[Series, str], colours:
                  title: str, unit: str, scale: float, path: Path, fit_from: int = 0) -> Path:
     ns = sorted({r["seq_len"] for rows in groups.values() for r in rows})
     timing = from_timings(metric)
+    zeros = any(ok_value(r, metric) == 0 for rows in groups.values() for r in rows)
     fig, ax = _axes(f"{title} vs N (log-log; x at top: not ok at that N"
                     + ("; hollow: noisy; bars: median ± IQR/2" if timing else "")
-                    + (f"; exponents over N ≥ {fit_from})" if fit_from else ")"), unit, ns)
+                    + (f"; exponents over N ≥ {fit_from})" if fit_from else ")")
+                    + ("\n(v at bottom: a value of 0, which a log axis cannot show)" if zeros else ""), unit, ns)
     any_ok = False
     for i, (s, rows) in enumerate(sorted(groups.items(), key=lambda kv: labels[kv[0]])):
-        ok = [r for r in rows if ok_value(r, metric) is not None]
+        ok = [r for r in rows if (ok_value(r, metric) or 0) > 0]  # zeros: marked below, the line would dive
         slope = series_exponent(rows, metric, fit_from)
         label = labels[s] + (f"  ($\\propto N^{{{slope:.2f}}}$)" if slope is not None else "")
         pts = [(r["seq_len"], ok_value(r, metric) / scale, untrusted(r, metric)) for r in ok]
@@ -243,6 +259,7 @@ def scaling_plot(groups: dict[Series, Rows], labels: dict[Series, str], colours:
         _line(ax, pts, colours[s], label, errs)
         any_ok |= bool(ok)
         _mark_failures(ax, rows, colours[s], i)
+        _mark_zeros(ax, rows, metric, colours[s], i)
     if any_ok:
         ax.set_yscale("log")
         _headroom(ax)
@@ -323,6 +340,13 @@ def noisy_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[
     body = [[labels[s], r["seq_len"], passes_named(r), r.get("tries"), r.get("other_cpu_cores"), r.get("noise_reasons")]
             for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]) for r in rows if r.get("noisy")]
     return ["series", "N", "passes not trusted", "tries", "others' cores", "why"], body
+
+
+def zeros_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
+    """The measured zeros of the log-log plots' metrics: marked at the plot's bottom, not drawn, so named here."""
+    body = [[labels[s], r["seq_len"], metric] for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]])
+            for r in rows for metric, *_ in SCALING_PLOTS if ok_value(r, metric) == 0]
+    return ["series", "N", "metric"], body
 
 
 def passes_named(row: dict[str, Any]) -> str | None:
@@ -551,6 +575,8 @@ def make_report(sweep: Path, out: Path, fit_from: int = 0) -> tuple[Rows, dict[s
         "not_ok": ("Points not ok", *failures_table(groups, labels)),
         "noisy": ("Noisy points (the timings of the passes named: drawn hollow, left out of fits and crossovers)",
                   *noisy_table(groups, labels)),
+        "zeros": ("Zero values: no place on a log axis (marked v at the bottom of the plot; left out of the fitted "
+                  "exponents and the ratios)", *zeros_table(groups, labels)),
         "points": ("Every point (median and IQR in ms; peak memory over the inputs, MiB)",
                    *points_table(groups, labels)),
     }
@@ -610,8 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, OSError) as err:  # OSError: e.g. --out is a file or not writable
         print(f"report: error: {err}", file=sys.stderr)
         return 2
-    for key in ("crossover", "max_fit", "seeds"):
-        if tables[key][2] or key != "seeds":  # the seeds table only where some point has several
+    for key in ("crossover", "max_fit", "seeds", "zeros"):
+        if tables[key][2] or key not in ("seeds", "zeros"):  # seeds, zeros: only where some point has them
             _print_table(*tables[key])
     print(f"\n{len(rows)} points, {len(images)} plots -> {out / 'report.html'}")
     if args.wandb:
