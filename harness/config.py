@@ -377,6 +377,30 @@ def launched() -> dict[str, Any] | None:
     return dict(rank=rank, world_size=size, address=address, port=number("MASTER_PORT", "29500"), local_rank=local)
 
 
+def ranks_here() -> int:
+    """How many ranks of the launched group share the cores this process may use: torchrun's
+    LOCAL_WORLD_SIZE (the ranks on this machine); under srun, this node's count in
+    SLURM_STEP_TASKS_PER_NODE ("2(x3),1": three nodes of two tasks, then one of one) at SLURM_NODEID, or
+    1 where srun bound each task to cores of its own (SLURM_CPU_BIND_LIST); 1 where neither says (or says
+    it in a form not theirs: the count only sets threads)."""
+    import os
+    import re
+
+    env = os.environ
+    if env.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return max(1, int(env["LOCAL_WORLD_SIZE"]))
+    if env.get("SLURM_CPU_BIND_LIST"):
+        return 1
+    counts = []
+    for entry in env.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        found = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", entry.strip())
+        if found is None:
+            return 1
+        counts += [int(found[1])] * int(found[2] or 1)
+    node = env.get("SLURM_NODEID", "0")
+    return max(1, counts[int(node)]) if node.isdigit() and int(node) < len(counts) else 1
+
+
 def check_output_dir(path: str | Path) -> None:
     """Refuses an output directory results could not be written to (Hydra would create it with a
     traceback). Tried for real: a file is created and removed in the nearest existing ancestor, since

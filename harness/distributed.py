@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from variants.seqpar import SequenceParallel, shard
 
-from .config import ConfigError, Settings, launched, one_line
+from .config import ConfigError, Settings, launched, one_line, ranks_here
 from .measure import Timing, _stats, measure_point, synchronize, with_before
 
 CONTROL_SLACK_S = 600  # the control group waits for a whole point: timeout_s plus the passes' budget plus this
@@ -303,7 +303,7 @@ def team(cfg, settings: Settings, attn, device: torch.device) -> Iterator[Team |
         yield None
         return
     rv, children = from_environment(), []
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local_ranks = ranks_here()
     if rv is None:  # start the other ranks here
         from omegaconf import DictConfig, OmegaConf
 

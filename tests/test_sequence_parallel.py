@@ -409,6 +409,29 @@ def test_more_cuda_ranks_than_gpus_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_ranks_sharing_this_machines_cores_are_counted_from_torchrun_or_srun(monkeypatch):
+    """Each launched rank takes its share of the cores (share_cores): torchrun says how many ranks run on
+    this machine (LOCAL_WORLD_SIZE); srun says it per node, in SLURM_STEP_TASKS_PER_NODE. Only torchrun's
+    was read: two ranks srun started on one machine took every core each."""
+    from harness.config import ranks_here
+
+    for k in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_CPU_BIND_LIST"):
+        monkeypatch.delenv(k, raising=False)
+    assert ranks_here() == 1
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x3),1")  # three nodes of two tasks, then one of one
+    for node, ranks in (("0", 2), ("2", 2), ("3", 1), ("4", 1)):
+        monkeypatch.setenv("SLURM_NODEID", node)
+        assert ranks_here() == ranks, node
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("SLURM_CPU_BIND_LIST", "0x3,0xC")  # srun bound each task to cores of its own
+    assert ranks_here() == 1
+    monkeypatch.delenv("SLURM_CPU_BIND_LIST")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "two")
+    assert ranks_here() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert ranks_here() == 4
+
+
 def test_torchrun_joins_the_launchers_group(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                            f"--master-port={free_port()}", "-m", "harness", "logger=none", "variant=ulysses",

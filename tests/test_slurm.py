@@ -182,3 +182,20 @@ def test_cancelled_and_failed_jobs_are_said_and_the_same_command_resumes(cluster
     after = rows_by_job(sweep_dir)
     for variant, rows in before.items():
         assert after[variant][:len(rows)] == rows, variant  # what was measured stays, unchanged
+
+
+def test_ranks_srun_starts_share_the_cores_of_their_node(cluster, tmp_path):
+    """Ulysses over two ranks srun started on the one node (2 cores): each rank runs on one thread. Only
+    torchrun's LOCAL_WORLD_SIZE was read, so each took both cores (threads unset, torch's default)."""
+    from harness.distributed import free_port
+
+    env = {k: v for k, v in cluster.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env["MASTER_PORT"] = str(free_port())
+    proc = subprocess.run(["srun", "--ntasks=2", "--time=5", sys.executable, "-m", "harness", "logger=none",
+                           "variant=ulysses", "variant.inner=sliding_window", "variant.inner_options={window:8}",
+                           "num_heads=2", "head_dim=8", "seq_len=50", "measure.min_run_time=0.01",
+                           "measure.min_samples=2", f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert (row["status"], row["world_size"], row["num_threads"]) == ("ok", 2, 1), row["reason"]
