@@ -518,6 +518,23 @@ def test_compare_status_change_is_a_regression(tmp_path):
     assert res.returncode == 1 and "ok -> oom" in res.stdout
 
 
+def test_a_point_ok_in_a_that_b_lacks_is_a_regression(tmp_path):
+    """A candidate that lost a point (its run crashed before it, a length dropped from its sweep) passed
+    --fail-on-regression: only in A was listed, and the count said 0 regressed. A point A has that was
+    not ok there is no loss; points only in B are listed, not judged."""
+    a = write_sweep(tmp_path / "a", [[row("full", "sdpa", n, fwd=1.0, mem=1) for n in (64, 128)]
+                                     + [row("full", "math", 256, "oom")]])
+    b = write_sweep(tmp_path / "b", [[row("full", "sdpa", n, fwd=1.0, mem=1) for n in (64, 512)]])
+    res = cli("harness.report.compare", a, b, "--fail-on-regression")
+    assert res.returncode == 1, res.stdout
+    assert "only in A:\n  full/math N=256\n  full/sdpa N=128" in res.stdout, res.stdout
+    assert ("0 of 1 matched points regressed; 1 point(s) ok in A not in B (regressions too: see 'only in A')"
+            in res.stdout), res.stdout
+    assert cli("harness.report.compare", b, a, "--fail-on-regression").returncode == 1  # 512: ok in b, not in a
+    c = write_sweep(tmp_path / "c", [[row("full", "sdpa", n, fwd=1.0, mem=1) for n in (64, 128)]])
+    assert cli("harness.report.compare", a, c, "--fail-on-regression").returncode == 0  # lost only an oom
+
+
 def test_a_point_ok_in_one_run_of_a_side_and_oom_in_another_is_judged_the_same_whatever_their_order(tmp_path, capsys):
     """A side's runs of a point are pooled as the report draws them (its median run: the ok one), not as
     their directories happen to sort (the last run's status made the verdict)."""

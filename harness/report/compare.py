@@ -7,7 +7,8 @@ backend, options, seq_len, shape, dtype, causal, seed, inputs, fidelity batch, t
 so a CPU run can be set against a GPU run (the devices are printed; a side whose points are of two
 devices, or were timed on two machines, is refused). For each matched point and metric: A, B and B/A. A
 regression is B/A > 1 + threshold for lower-is-better metrics (times, memory, errors), B/A < 1 - threshold
-for higher-is-better ones (throughput, accuracy, mass kept), or a point ok in A that is not ok in B. For a
+for higher-is-better ones (throughput, accuracy, mass kept), or a point ok in A that is not ok in B, or
+not in B at all (a candidate that lost a point has not kept it; B's points that A lacks are listed). For a
 time (and a throughput, by the time it is computed from), the change must also clear the noise: the
 interquartile intervals of A and B (median ± IQR/2) must not overlap, else it is "within noise". A point
 noisy in A or B (its timings cannot be trusted) is not judged on the times of its noisy passes (a
@@ -133,7 +134,8 @@ def judge(metric: str, ra: dict, rb: dict, threshold: float, runs_a: list[dict] 
 def compare(runs_a: dict[tuple, list[dict]], runs_b: dict[tuple, list[dict]], metrics: list[str],
             threshold: float) -> dict[str, Any]:
     """{'table': [[series, N, per metric: A, B, B/A, flag]...], 'regressions': points regressed,
-    'noisy': points noisy in A or B, 'only_a' / 'only_b': unmatched points, 'time_changes_from_one_run':
+    'noisy': points noisy in A or B, 'only_a' / 'only_b': unmatched points, 'missing': points ok in A
+    that B lacks (regressions too: a candidate that lost a point has not kept it), 'time_changes_from_one_run':
     points whose time changed on one run of a side}. ``runs_a``, ``runs_b``:
     ``runs_by_point`` of each side (one machine per side: main refuses more)."""
     a = {k: pooled(runs, metrics) for k, runs in runs_a.items()}
@@ -172,8 +174,9 @@ def compare(runs_a: dict[tuple, list[dict]], runs_b: dict[tuple, list[dict]], me
                 by_series.setdefault(label(r), []).append(r["seq_len"])
         return [f"{s} N={','.join(map(str, sorted(ns)))}" for s, ns in sorted(by_series.items())]
 
-    return {"table": table, "regressions": regressions, "noisy": noisy, "only_a": unmatched(a, b),
-            "only_b": unmatched(b, a), "time_changes_from_one_run": one_run}
+    missing = sum(k not in b and r.get("status") == "ok" for k, r in a.items())
+    return {"table": table, "regressions": regressions + missing, "missing": missing, "noisy": noisy,
+            "only_a": unmatched(a, b), "only_b": unmatched(b, a), "time_changes_from_one_run": one_run}
 
 
 def _runs(runs: dict[tuple, list[dict]]) -> str:
@@ -256,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\nnoisy points, the times named not judged (rerun them: retry=[noisy]):\n  "
               + "\n  ".join(result["noisy"]))
     n = result["regressions"]
-    print(f"\n{n} of {len(result['table'])} matched points regressed"
+    print(f"\n{n - result['missing']} of {len(result['table'])} matched points regressed"
+          + (f"; {result['missing']} point(s) ok in A not in B (regressions too: see 'only in A')"
+             if result["missing"] else "")
           + (f"; {len(result['noisy'])} noisy, not judged on time" if result["noisy"] else ""))
     if result["time_changes_from_one_run"]:
         print(f"{result['time_changes_from_one_run']} change(s) of time judged on one run of A or B: runs of the "
