@@ -72,9 +72,8 @@ def hydra_main(cfg: DictConfig) -> None:
             elif holds_another_job(out, hc.job.num):
                 record_refused(hc.sweep.dir, hc.job.num, hc.job.override_dirname, REFUSED_INPUT + one_line(e))
             else:
-                status = JobStatus(out, None)
-                status.info["job"] = hc.job.num  # whose refusal it is: a rerun's refusal replaces its own only
-                status.finish("refused", one_line(e))
+                # job: whose refusal it is (a rerun's refusal replaces its own only)
+                JobStatus(out, None, job=hc.job.num).finish("refused", one_line(e))
         except OSError:
             pass
         print(f"error: job {hc.job.num} ({hc.job.override_dirname}): {one_line(e)}", file=sys.stderr)

@@ -9,10 +9,11 @@ How a multirun (``python -m harness -m ...``, scripts/sweep.sh) ends, whatever l
 launcher: in this process; joblib, submitit, SLURM: elsewhere): one line with the state of every job it
 ran (not of jobs an earlier sweep left in the directory), and exit status 1 when one did not complete. A job's state is its directory's status.json
 (``harness.results.job_state``): what the job said itself (completed, refused, failed, interrupted), or
-what the SLURM launcher wrote for a job that could not. A job refused because another command's run
-holds its directory cannot write there: it adds a line to the sweep's ``refused-jobs.jsonl`` instead,
-naming its multirun; a multirun counts its own lines only (two sweeps may share the directory at once,
-so neither empties the file).
+what the SLURM launcher wrote for a job that could not. Jobs sharing a directory (differing only in
+seq_lens) each count: its status.json keeps the states of the multirun's jobs that wrote there before.
+A job refused because another command's run holds its directory cannot write there: it adds a line to
+the sweep's ``refused-jobs.jsonl`` instead, naming its multirun; a multirun counts its own lines only
+(two sweeps may share the directory at once, so neither empties the file).
 """
 
 from __future__ import annotations
@@ -45,12 +46,15 @@ STARTED: list[float] = []  # when it started (time.time())
 CLOCK_SLACK_S = 120.0
 
 
-def job_states(root: Path, since: float | None = None, multirun: str | None = None) -> dict[Path, str]:
-    """Every job directory under a sweep directory (one with results.jsonl or status.json; a report's
-    folders excluded) -> its state; with ``multirun`` (its id, MULTIRUN_ENV), only the jobs whose status.json
+def job_states(root: Path, since: float | None = None,
+               multirun: str | None = None) -> dict[tuple[Path, str | None], str]:
+    """Every job under a sweep directory (a directory with results.jsonl or status.json; a report's folders
+    excluded), as (its directory, its Hydra job number) -> its state: the one that wrote status.json last,
+    and those of its multirun it names as having written there before (``jobs``: jobs differing only in
+    seq_lens share a directory). With ``multirun`` (its id, MULTIRUN_ENV), only the jobs whose status.json
     names it, and with ``since`` (a time.time()) those whose files changed after it, where status.json names
     none: the jobs of the multirun, not those an earlier sweep or another command left in the directory."""
-    from harness.results import job_state, report_output  # "gone": said running, but no live process holds it
+    from harness.results import earlier_jobs, job_state, report_output  # "gone": said running, no live holder
 
     files = [p for name in ("results.jsonl", "status.json") for p in root.rglob(name) if not report_output(p, root)]
     changed = {p.parent for p in files if since is None or p.stat().st_mtime >= since - CLOCK_SLACK_S}
@@ -59,7 +63,9 @@ def job_states(root: Path, since: float | None = None, multirun: str | None = No
         state = job_state(job)
         named = state.get("multirun")
         if (named == multirun) if multirun is not None and named is not None else job in changed:
-            states[job] = str(state.get("state", "?"))
+            states.update({(job, num): other for num, other in earlier_jobs(state).items()})
+            last = state.get("job")
+            states[(job, None if last is None else str(last))] = str(state.get("state", "?"))
     return states
 
 

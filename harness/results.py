@@ -1035,16 +1035,37 @@ class JobStatus:
     """``status.json``: state (running | completed | failed | refused | interrupted), point counts by
     status, pid, host, times. A run that dies without a word (SIGKILL) leaves "running": ``job_state``
     tells that apart from a live run by its lock. As a sink of the run, it counts each row handed to it
-    (``done``: the points an earlier run measured, counted from the start)."""
+    (``done``: the points an earlier run measured, counted from the start). In a multirun, ``job`` is the
+    Hydra job number, and ``jobs`` the final states of the multirun's other jobs that wrote the directory
+    before (``earlier_jobs``): jobs differing only in seq_lens share one, and each counts in its summary."""
 
-    def __init__(self, out_dir: Path, total: int | None, done: Sequence[Result] = ()) -> None:
+    def __init__(self, out_dir: Path, total: int | None, done: Sequence[Result] = (),
+                 job: int | None = None) -> None:
         self.path = Path(out_dir) / "status.json"
+        multirun = os.environ.get(MULTIRUN_ENV)
         self.info: dict[str, Any] = {"state": "running", "points_total": total, "points_done": 0,
                                      "statuses": {}, "noisy": 0, "pid": os.getpid(),
                                      "hostname": socket.gethostname(), "started": _now(), "updated": _now(),
-                                     "error": None, "multirun": os.environ.get(MULTIRUN_ENV)}
+                                     "error": None, "multirun": multirun, "job": job,
+                                     "jobs": self._other_jobs(multirun, job)}
         for row in done:
             self._count(row)
+
+    def _other_jobs(self, multirun: str | None, job: int | None) -> dict[str, str]:
+        """The states of this multirun's other jobs that wrote the directory (overwriting status.json
+        would lose them). Its last writer is no longer running where this job writes (it holds the lock,
+        or it is the launcher saying a killed job's end): one said running was killed."""
+        if multirun is None or job is None:
+            return {}
+        info = job_state(self.path.parent)
+        if info.get("multirun") != multirun:
+            return {}
+        jobs = earlier_jobs(info)
+        if isinstance(info.get("job"), int):
+            state = str(info.get("state"))
+            jobs[str(info["job"])] = "gone" if state == "running" else state
+        jobs.pop(str(job), None)  # its own earlier try (a requeued SLURM job): this one's state replaces it
+        return jobs
 
     def _count(self, row: Result) -> None:
         statuses = self.info["statuses"]
@@ -1091,6 +1112,15 @@ def job_state(job_dir: Path) -> dict[str, Any]:
         info = {**info, "state": "gone", "error": f"the run (pid {info.get('pid')} on {info.get('hostname')}) "
                                                   f"ended without finishing; rerun to resume"}
     return info
+
+
+def earlier_jobs(info: dict[str, Any]) -> dict[str, str]:
+    """A status.json's ``jobs``: Hydra job number -> state of the other jobs of its multirun that wrote the
+    directory before its own (none in one of older code, or where it is not as written)."""
+    jobs = info.get("jobs")
+    if not isinstance(jobs, dict):
+        return {}
+    return {str(num): state for num, state in jobs.items() if isinstance(state, str)}
 
 
 # ----- log-log fits --------------------------------------------------------------------------------

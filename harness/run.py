@@ -223,7 +223,7 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
         kept = [Result.from_record(resumed[key]) for key in keep]
         done: list[Result] = list(kept)
         display = Display(title, len(settings.seq_lens), task=settings.task is not None, kept=kept, again=again)
-        status = JobStatus(out_dir, len(settings.seq_lens), done=kept)
+        status = JobStatus(out_dir, len(settings.seq_lens), done=kept, job=job_num())
         # This series' points in the directory, the run's lengths or not (stop_on_oom looks at all of them),
         # those of this machine only: an oom or a skip for memory says nothing of another machine
         series = series_key(point_identity(attn, settings, device, settings.seq_lens[0]))
@@ -320,9 +320,9 @@ def ended_unstarted(out_dir: Path, total: int, e: BaseException) -> None:
     run's state before: "completed", and a sweep then counted the job as not run by it at all."""
     try:
         if isinstance(e, KeyboardInterrupt):
-            JobStatus(out_dir, total).finish("interrupted", interruption(e, 0, total)[0])
+            JobStatus(out_dir, total, job=job_num()).finish("interrupted", interruption(e, 0, total)[0])
         else:
-            JobStatus(out_dir, total).finish("failed", one_line(f"{type(e).__name__}: {e}")[:500])
+            JobStatus(out_dir, total, job=job_num()).finish("failed", one_line(f"{type(e).__name__}: {e}")[:500])
     except OSError:  # the directory takes no writes: the error said is the run's own
         pass
 
@@ -435,6 +435,17 @@ def sweep_dir() -> str | None:
 
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         return str(Path(HydraConfig.get().sweep.dir).resolve())
+    return None
+
+
+def job_num() -> int | None:
+    """The Hydra job number of the multirun job this run is (status.json says it: jobs may share a
+    directory); None outside a multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return int(HydraConfig.get().job.num)
     return None
 
 

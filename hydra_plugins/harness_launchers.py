@@ -66,8 +66,9 @@ def ended_unfinished(hydra_context, config: DictConfig, overrides: list[str], nu
     info = job_state(job_dir)
     unsaid = info.get("state") in ("gone", "no status")  # the run could not say so itself
     if unsaid:
-        status = JobStatus(job_dir, info.get("points_total"))
-        status.info.update({k: v for k, v in info.items() if k in status.info and k != "error"})
+        status = JobStatus(job_dir, info.get("points_total"), job=num)
+        # its counts kept; the job and the other jobs' states are this job's (another job may have written last)
+        status.info.update({k: v for k, v in info.items() if k in status.info and k not in ("error", "job", "jobs")})
         status.finish("failed", reason)
     if unsaid or said:
         print(f"error: job {num} ({sweep_cfg.hydra.job.override_dirname}): {reason}", file=sys.stderr)

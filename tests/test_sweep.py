@@ -263,6 +263,31 @@ def test_a_job_failing_before_its_run_wrote_a_status_is_counted(tmp_path):
     assert [(s["state"], s["error"]) for s in states] == [("failed", "RuntimeError: cannot be moved")] * 2
 
 
+class UnmovableInJob0(variants.Full):
+    """Fails before its first point in the multirun's job 0 only (its status.json: failed)."""
+
+    def _apply(self, *args, **kwargs):
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.get().job.num == 0:
+            raise RuntimeError("cannot be moved")
+        return super()._apply(*args, **kwargs)
+
+
+def test_jobs_sharing_a_directory_each_count_in_the_summary(tmp_path):
+    """seq_lens is not in a job directory's name: the three jobs of seq_lens=[32],[48],[64] write one
+    status.json. The summary counted the directory once, in its last writer's state: "jobs: 1 (completed 1)",
+    exit 0, for a sweep whose job 0 failed. Each job counts, in its own state."""
+    tiny = [a for a in TINY if not a.startswith("seq_lens=")]
+    p = subprocess.run([sys.executable, "-m", "harness", "-m", *tiny, f"variant._target_={__name__}.UnmovableInJob0",
+                        "seq_lens=[32],[48],[64]", f"hydra.sweep.dir={tmp_path}"],
+                       check=False, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 1 and "jobs: 3 (completed 2, failed 1)" in p.stdout, p.stdout + p.stderr
+    assert p.stderr.splitlines()[-1].endswith("; rerun the same command to resume"), p.stderr[-2000:]
+    (status,) = [json.loads(f.read_text()) for f in tmp_path.glob("*/status.json")]
+    assert (status["state"], status["job"], status["jobs"]) == ("completed", 2, {"0": "failed", "1": "completed"})
+
+
 def test_the_summary_counts_this_multiruns_jobs_not_an_earlier_sweeps(tmp_path):
     """A job an earlier sweep left interrupted in the same sweep directory (another sub-grid) is not one of
     this multirun's: it neither shows in the summary nor makes the multirun exit 1. Its status.json names
@@ -290,7 +315,7 @@ def test_parallel_jobs_sharing_a_directory_wait_for_each_other(tmp_path):
     p = sweep("cpu_small", *TINY, "variant=full", "seq_lens=[32],[64]", "hydra/launcher=local_parallel",
               f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "jobs: 1 (completed 1)" in p.stdout
+    assert "jobs: 2 (completed 2)" in p.stdout, p.stdout  # each job, not the directory ("jobs: 1")
     (job,) = jobs(sweep_dir).values()
     rows = [json.loads(line) for line in (job / "results.jsonl").read_text().splitlines()]
     assert sorted(r["seq_len"] for r in rows) == [32, 64] and all(r["status"] == "ok" for r in rows), rows
@@ -432,15 +457,20 @@ def test_the_group_of_a_sweeps_runs_is_logger_group_where_its_jobs_set_it(tmp_pa
         assert (json.loads(p.stdout)["entity"], json.loads(p.stdout)["project"]) == ("myteam", "myproj")
 
 
+# MQAR at tiny sizes, from a config Hydra finds elsewhere (--config-path: not checked up front), so a job
+# with N=16 (MQAR needs N >= 24 here) is refused at run time
+MQAR_TINY = ["--config-path=../conf", "task=mqar", "task.steps=1", "task.eval_size=4", "task.batch_size=2",
+             "task.warmup_steps=0", "num_heads=1", "head_dim=8", "measure.passes=[]", "measure.memory=false",
+             "fidelity.enabled=false", "logger=none"]
+
+
 def test_a_job_refused_in_a_directory_another_job_completed_leaves_its_status_and_is_counted(tmp_path):
     """seq_lens is not in a job directory's name: the jobs of seq_lens=[32],[16] share one. The second is
     refused at run time (MQAR needs N >= 24 here): the first's status.json still says completed, the
     refusal is in the sweep's refused-jobs.jsonl and counted, and the last line does not promise that
     rerunning resumes what the same command refuses again. (The command line's own check refuses that
     value before any job runs; a config Hydra finds elsewhere, --config-path, is not checked up front.)"""
-    tiny = ["--config-path=../conf", "task=mqar", "seq_lens=[32],[16]", "task.steps=1", "task.eval_size=4",
-            "task.batch_size=2", "task.warmup_steps=0", "num_heads=1", "head_dim=8", "measure.passes=[]",
-            "measure.memory=false", "fidelity.enabled=false", "logger=none"]
+    tiny = [*MQAR_TINY, "seq_lens=[32],[16]"]
     p = subprocess.run([sys.executable, "-m", "harness", "-m", *tiny, f"hydra.sweep.dir={tmp_path}"], check=False,
                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
     assert p.returncode == 1, p.stdout + p.stderr
@@ -452,6 +482,18 @@ def test_a_job_refused_in_a_directory_another_job_completed_leaves_its_status_an
     error = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 2 and "job 1" in error[0] and "seq_len=16 is too short" in error[0], p.stderr
     assert "rerun the same command to resume" not in error[1] and "refused again" in error[1], error[1]
+
+
+def test_a_job_refused_before_another_job_completed_in_its_directory_is_counted(tmp_path):
+    """The other order: job 0 (N=16) is refused in the empty directory and says so in its status.json;
+    job 1 then completes there. The summary said "jobs: 1 (completed 1)", exit 0: the refusal was lost."""
+    p = subprocess.run([sys.executable, "-m", "harness", "-m", *MQAR_TINY, "seq_lens=[16],[32]",
+                        f"hydra.sweep.dir={tmp_path}"], check=False, cwd=ROOT, env=env(), capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 1 and "jobs: 2 (completed 1, refused 1)" in p.stdout, p.stdout + p.stderr
+    assert "refused again" in p.stderr.splitlines()[-1], p.stderr[-2000:]
+    (status,) = [json.loads(f.read_text()) for f in tmp_path.glob("*/status.json")]
+    assert (status["state"], status["job"], status["jobs"]) == ("completed", 1, {"0": "refused"})
 
 
 def test_a_multirun_whose_job_is_refused_at_run_time_exits_1_and_says_a_rerun_refuses_it_again(tmp_path):
