@@ -5,7 +5,8 @@ without. Online never hangs the harness: a short init timeout, and on failure on
 offline run instead (the local results are written as always). The run is a context manager, so a job
 that raises is closed as failed and the next job in the same process gets a run of its own. One
 output directory is one wandb run: a rerun into it resumes the same run (its id is kept in
-``wandb/harness-run.json``) and logs only the points it measures; synced, each point is uploaded once.
+``wandb/harness-run.json``) and logs the points it measures, first the directory's rows the run has
+not logged (added with wandb off, or as a disk filled); synced, each point is uploaded once.
 A rerun with ``resume=false`` replaces the directory's results and starts a new wandb run (the store
 moves ``harness-run.json`` aside with results.jsonl), so the replaced points are not charted beside
 the new ones.
@@ -119,8 +120,8 @@ class RunLogger:
     counted on from the steps the directory's earlier runs logged (``RunState``), so a resumed run
     continues the same history instead of restarting at step 0 (offline runs cannot ask the server)."""
 
-    def __init__(self, run: Any | None, state: "RunState | None" = None) -> None:
-        self.run, self.state = run, state
+    def __init__(self, run: Any | None, state: "RunState | None" = None, resumed: bool = False) -> None:
+        self.run, self.state, self.resumed = run, state, resumed  # resumed: the directory's earlier wandb run
         if run is not None:
             run.define_metric("seq_len")
             for name in POINT_METRICS:
@@ -142,8 +143,23 @@ class RunLogger:
         """One measured point (a results.Result): every number of its row (seq_len is the x-axis), counted
         in the run's state (ResultStore compares the count with the rows the directory still holds)."""
         if self.run is not None:
-            self.state.points += 1  # saved with the step, before the log call
-            self.log({k: v for k, v in row.record().items() if _is_number(v)})
+            self._point(row.record())
+
+    def _point(self, record: dict[str, Any]) -> None:
+        self.state.points += 1  # saved with the step, before the log call
+        self.log({k: v for k, v in record.items() if _is_number(v)})
+
+    def add_unlogged(self, rows: list[dict[str, Any]]) -> list[int]:
+        """A resumed wandb run: the directory's rows (results.jsonl's, in file order) past the points it
+        logged, logged now, before this run measures: rows a run with wandb off added, or one written as
+        the disk filled (in results.jsonl, the run ended before its log call), which no later run logged
+        (they are kept, not measured again). Their lengths."""
+        if self.run is None or not self.resumed or self.state.points >= len(rows):
+            return []
+        unlogged = rows[self.state.points:]
+        for record in unlogged:
+            self._point(record)
+        return [r["seq_len"] for r in unlogged]
 
     def log_task_step(self, seq_len: int, step: int, metrics: dict[str, float]) -> None:
         """One eval of the task trained at ``seq_len``: keys task/N<seq_len>/<metric>, so each length's
@@ -249,6 +265,7 @@ def wandb_run(cfg: LoggerConfig, directory: Path, config: dict[str, Any], *, nam
 
     directory.mkdir(parents=True, exist_ok=True)
     state = RunState(directory)
+    resumed = state.run_id is not None
     kwargs = dict(dir=str(directory), project=cfg.project, entity=cfg.entity, name=name, group=group, tags=tags,
                   reinit="create_new", id=state.run_id, resume="allow" if state.run_id else None)
     try:
@@ -268,7 +285,7 @@ def wandb_run(cfg: LoggerConfig, directory: Path, config: dict[str, Any], *, nam
         state.save(run.id)
         # A resumed run's config is replaced, not merged with a conflict: the rerun may add lengths.
         run.config.update(config, allow_val_change=True)
-        yield RunLogger(run, state)
+        yield RunLogger(run, state, resumed)
         exit_code = 0
     finally:
         run.finish(exit_code=exit_code)

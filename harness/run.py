@@ -244,6 +244,9 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
                                                   "env": environment.as_dict()},
                        name=label, group=sweep_group(settings), tags=[attn.name, attn.backend, device.type]) as logger, \
                 display:
+            if unlogged := logger.add_unlogged(store.rows):
+                store.warn(f"wandb: {len(unlogged)} point(s) of results.jsonl its wandb run had not logged (N="
+                           f"{', '.join(map(str, unlogged))}; written with wandb off, or as a disk filled): logged now")
             sinks: list[Sink] = [store, logger, display, status]  # each new row: written, logged, shown, counted
             measured = set(keep)
             # stop_on_oom: shortest first, and once a length does not fit the longer ones are not tried

@@ -81,10 +81,15 @@ def test_extending_a_run_with_wandb_on_logs_each_point_once_in_one_run(tmp_path)
     out = tmp_path / "D"
     first = cli("seq_lens=[32]", f"hydra.run.dir={out}", wandb=True)
     assert first.returncode == 0, first.stderr[-3000:]
-    again = cli("seq_lens=[32,48]", f"hydra.run.dir={out}", wandb=True)
+    # A row the wandb run never logged (here a run with wandb off; also one written as the disk filled): kept,
+    # not measured again, so no later run logged it
+    assert cli("seq_lens=[40]", f"hydra.run.dir={out}").returncode == 0
+    again = cli("seq_lens=[32,40,48]", f"hydra.run.dir={out}", wandb=True)
     assert again.returncode == 0, again.stderr[-3000:]  # was: TypeError on TorchVersion, status failed
+    assert ("warning: wandb: 1 point(s) of results.jsonl its wandb run had not logged (N=40; written with wandb "
+            "off, or as a disk filled): logged now") in again.stderr, again.stderr[-3000:]
     assert json.loads((out / "status.json").read_text())["state"] == "completed"
-    assert seq_lens_of(out) == [32, 48]
+    assert seq_lens_of(out) == [32, 40, 48]
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2
     state = json.loads((out / "wandb" / "harness-run.json").read_text())
@@ -97,7 +102,7 @@ def test_extending_a_run_with_wandb_on_logs_each_point_once_in_one_run(tmp_path)
                 steps.append(item["_step"])
                 if "fwd_ms" in item:
                     points.append(item["seq_len"])
-    assert sorted(points) == [32, 48], points  # each point logged once across both runs
+    assert points == [32, 40, 48], points  # each point logged once across both runs, in the file's order
     assert steps == sorted(steps) and len(set(steps)) == len(steps), steps  # one increasing history
 
 
