@@ -791,9 +791,11 @@ class DirectoryLock:
         """Why ``directory`` cannot be run into now (a live process holds its lock; one line), or None
         (tried without waiting, released at once)."""
         path = Path(directory) / DirectoryLock.NAME
-        if not path.exists():
+        try:
+            f = open(path)
+        except OSError:  # none, or none a process can hold (a directory of that name): the store says so
             return None
-        with open(path) as f:
+        with f:
             try:
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -521,6 +521,15 @@ def test_a_results_file_that_cannot_be_written_is_named_in_the_one_line(tmp_path
     assert sorted(p.name for p in (tmp_path / "D").iterdir()) == ["harness.lock", "results.jsonl"]
 
 
+def test_a_lock_that_is_a_directory_is_the_one_line_alone(tmp_path):
+    """A directory named harness.lock: Hydra printed its callback's IsADirectoryError as a warning of two
+    lines before the harness's one."""
+    (tmp_path / "D" / "harness.lock").mkdir(parents=True)
+    proc = cli("seq_lens=[32]", f"hydra.run.dir={tmp_path / 'D'}")
+    assert (proc.returncode, proc.stderr) == (
+        2, f"error: cannot write to the output directory {tmp_path / 'D'} (harness.lock): Is a directory\n")
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     """A real filesystem of 2 MiB (tmpfs), unmounted afterwards; skipped where mounting is not allowed."""
