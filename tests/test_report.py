@@ -299,7 +299,8 @@ def test_a_peak_of_zero_is_marked_on_the_log_plot_and_listed(tmp_path, capsys, m
     dove off the axis at its N). It is marked at the plot's bottom, named in a table of report.html and in
     the printed output, and the every-point table keeps its 0."""
     write_sweep(tmp_path, [[row("full", "sdpa", n, fwd=1.0, mem=0 if n == 64 else 100 * n) for n in (32, 64, 128)],
-                           [row("blockwise", "blocksparse", n, fwd=1.0, mem=50 * n) for n in (32, 64, 128)]])
+                           [row("blockwise", "blocksparse", n, fwd=1.0, mem=50 * n, out_rel_err=0.0 if n == 64 else 1e-3)
+                            for n in (32, 64, 128)]])
     drawn, save = {}, report._save
 
     def spy(fig, path):  # the memory plot's marks and title, read before it is closed
@@ -314,6 +315,10 @@ def test_a_peak_of_zero_is_marked_on_the_log_plot_and_listed(tmp_path, capsys, m
     assert "a value of 0" not in drawn["fwd_ms"][1]  # said only where there is one
     html = (tmp_path / "report" / "report.html").read_text()
     assert "<tr><td>full/sdpa</td><td>64</td><td>peak_mem_bytes</td></tr>" in html
+    # an error of exactly 0 on the log error plot, alike
+    texts, title = drawn["out_rel_err"]
+    assert ("0", 64) in texts and "a value of 0" in title
+    assert "<tr><td>blockwise/blocksparse</td><td>64</td><td>out_rel_err</td></tr>" in html
     # the every-point table keeps the 0 (peak MiB: the 6th cell after the status)
     assert re.search(r"<tr><td>full/sdpa</td><td>64</td><td>ok</td>(<td>[^<]*</td>){6}<td>0</td>", html)
     assert re.search(r"full/sdpa\s+64\s+peak_mem_bytes", capsys.readouterr().out)

@@ -56,6 +56,7 @@ FIDELITY_PLOTS = (  # drawn only when some row has the field; log y where errors
     ("mass_kept", "Softmax mass kept by the mask", False),
     ("task_accuracy", "MQAR task accuracy", False),
 )
+LOG_METRICS = [m for m, *_ in SCALING_PLOTS] + [m for m, _, logy in FIDELITY_PLOTS if logy]  # a 0 has no place
 
 
 # ----- analysis (pure functions, tested directly) --------------------------------------------------
@@ -302,12 +303,19 @@ def ratio_plot(groups: dict[Series, Rows], labels: dict[Series, str], colours: d
 def value_plot(groups: dict[Series, Rows], labels: dict[Series, str], colours: dict[Series, Any], metric: str,
                title: str, logy: bool, path: Path) -> Path:
     ns = sorted({r["seq_len"] for rows in groups.values() for r in rows})
-    fig, ax = _axes(f"{title} vs N", metric, ns)
-    for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]]):
-        pts = [(r["seq_len"], ok_value(r, metric), False) for r in rows if ok_value(r, metric) is not None]
+    values = [ok_value(r, metric) for rows in groups.values() for r in rows]
+    logy = logy and any((v or 0) > 0 for v in values)
+    zeros = logy and 0 in values  # an error of exactly 0 (an exact path): marked, as scaling_plot's zeros
+    fig, ax = _axes(f"{title} vs N" + ("\n(v at bottom: a value of 0, which a log axis cannot show)" if zeros else ""),
+                    metric, ns)
+    for i, (s, rows) in enumerate(sorted(groups.items(), key=lambda kv: labels[kv[0]])):
+        pts = [(r["seq_len"], v, False) for r in rows
+               if (v := ok_value(r, metric)) is not None and (v > 0 or not logy)]
         if pts:
             _line(ax, pts, colours[s], labels[s])
-    if logy and any(v > 0 for line in ax.get_lines() for v in line.get_ydata()):
+        if zeros:
+            _mark_zeros(ax, rows, metric, colours[s], i)
+    if logy:
         ax.set_yscale("log")
     return _save(fig, path)
 
@@ -343,9 +351,12 @@ def noisy_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[
 
 
 def zeros_table(groups: dict[Series, Rows], labels: dict[Series, str]) -> tuple[list[str], list[list[Any]]]:
-    """The measured zeros of the log-log plots' metrics: marked at the plot's bottom, not drawn, so named here."""
+    """The measured zeros of the log plots' metrics: marked at the plot's bottom, not drawn, so named here (an
+    error plot is linear, its zeros drawn, where no value is above 0)."""
+    scaling = [m for m, *_ in SCALING_PLOTS]
+    logged = [m for m in LOG_METRICS if m in scaling or any((ok_value(r, m) or 0) > 0 for rs in groups.values() for r in rs)]
     body = [[labels[s], r["seq_len"], metric] for s, rows in sorted(groups.items(), key=lambda kv: labels[kv[0]])
-            for r in rows for metric, *_ in SCALING_PLOTS if ok_value(r, metric) == 0]
+            for r in rows for metric in logged if ok_value(r, metric) == 0]
     return ["series", "N", "metric"], body
 
 
