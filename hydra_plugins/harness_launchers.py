@@ -59,16 +59,21 @@ def ended_unfinished(hydra_context, config: DictConfig, overrides: list[str], nu
     it never started), and one line on stderr. The job counts in the sweep's summary, and a rerun resumes
     it. ``said=False``: the line only for such a job (one whose run ended as its status.json says, a
     completed one say, is said by the summary)."""
-    from harness.results import JobStatus, job_state
+    from harness.results import MULTIRUN_ENV, JobStatus, earlier_jobs, job_state
 
     sweep_cfg = hydra_context.config_loader.load_sweep_config(config, overrides)
     job_dir = Path(str(sweep_cfg.hydra.sweep.dir)) / str(sweep_cfg.hydra.sweep.subdir)
     info = job_state(job_dir)
-    unsaid = info.get("state") in ("gone", "no status")  # the run could not say so itself
+    # Killed before its run wrote there: the directory's status.json is another job's of this multirun (a
+    # job waits for the one holding the directory they share), which names it nowhere. Every job has
+    # ended by now, so this job's status may be written, the others' states kept in it (JobStatus).
+    unnamed = (info.get("multirun") is not None and info.get("multirun") == os.environ.get(MULTIRUN_ENV)
+               and info.get("job") != num and str(num) not in earlier_jobs(info))
+    unsaid = info.get("state") in ("gone", "no status") or unnamed  # the run could not say so itself
     if unsaid:
         status = JobStatus(job_dir, info.get("points_total"), job=num)
-        # its counts kept; the job and the other jobs' states are this job's (another job may have written last)
-        status.info.update({k: v for k, v in info.items() if k in status.info and k not in ("error", "job", "jobs")})
+        if not unnamed:  # its counts kept (the others' states are in its own "jobs", made by JobStatus)
+            status.info.update({k: v for k, v in info.items() if k in status.info and k not in ("error", "job", "jobs")})
         status.finish("failed", reason)
     if unsaid or said:
         print(f"error: job {num} ({sweep_cfg.hydra.job.override_dirname}): {reason}", file=sys.stderr)

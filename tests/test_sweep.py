@@ -321,6 +321,46 @@ def test_parallel_jobs_sharing_a_directory_wait_for_each_other(tmp_path):
     assert sorted(r["seq_len"] for r in rows) == [32, 64] and all(r["status"] == "ok" for r in rows), rows
 
 
+def test_a_job_killed_while_it_waits_for_its_shared_directory_counts_as_failed(tmp_path):
+    """Under joblib, a job of a seq_lens sweep waits for the job holding their one directory; SIGKILLed
+    while it waits, it has written nothing there: status.json was the other job's, so the launcher said it
+    in a line but the summary left it out ("jobs: 1 (completed 1)"). Now its own status says failed, the
+    other job's state kept beside it."""
+    from harness.results import job_state
+
+    sweep_dir = tmp_path / "sweep"
+    args = ["cpu_small", *TINY, "variant=full", "seq_lens=[32,64,128,256],[48]", "measure.min_run_time=0.2",
+            "hydra/launcher=local_parallel", f"hydra.sweep.dir={sweep_dir}"]
+    p = subprocess.Popen(["bash", str(SWEEP_SH), *args], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the first job holds the directory and has measured a point; the other waits
+            status = next(iter(jobs(sweep_dir).values()), tmp_path) / "status.json" if sweep_dir.is_dir() else tmp_path
+            holder = json.loads(status.read_text()) if status.is_file() else {}
+            waiting = [int(pid) for pid in subprocess.run(["pgrep", "-f", "popen_loky"], capture_output=True,
+                                                          text=True).stdout.split()
+                       if int(pid) != holder.get("pid") and os.getsid(int(pid)) == p.pid]
+            if holder.get("points_done") and len(waiting) == 1:
+                break
+            assert p.poll() is None and time.monotonic() < deadline, (p.communicate(), waiting)
+            time.sleep(0.1)
+        os.kill(waiting[0], signal.SIGKILL)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 1 and "Traceback" not in out + err, (out + err)[-3000:]
+    # loky may stop the holder too (failed, or gone where the killed job's status was written first) or let
+    # it finish first
+    summary = [line for line in out.splitlines() if line.startswith("jobs: ")]
+    assert len(summary) == 1 and re.fullmatch(r"jobs: 2 \((completed 1, |gone 1, )?failed [12]\)", summary[0]), \
+        (out + err)[-3000:]
+    (job,) = jobs(sweep_dir).values()
+    state = job_state(job)
+    assert state["state"] == "failed" and set(state["jobs"]) == {str(holder["job"])}, state
+
+
 def test_a_rerun_with_more_lengths_extends_the_same_jobs(tmp_path):
     sweep_dir = tmp_path / "sweep"
     assert sweep("cpu_small", *TINY, "variant=full", "seq_lens=[32]", f"hydra.sweep.dir={sweep_dir}",
