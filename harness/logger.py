@@ -6,7 +6,8 @@ offline run instead (the local results are written as always). The run is a cont
 that raises is closed as failed and the next job in the same process gets a run of its own. One
 output directory is one wandb run: a rerun into it resumes the same run (its id is kept in
 ``wandb/harness-run.json``) and logs the points it measures, first the directory's rows the run has
-not logged (added with wandb off, or as a disk filled); synced, each point is uploaded once.
+not logged (added with wandb off, or as a disk filled; a new run: every row there); synced, each point is
+uploaded once.
 A rerun with ``resume=false`` replaces the directory's results and starts a new wandb run (the store
 moves ``harness-run.json`` aside with results.jsonl), so the replaced points are not charted beside
 the new ones.
@@ -120,8 +121,8 @@ class RunLogger:
     counted on from the steps the directory's earlier runs logged (``RunState``), so a resumed run
     continues the same history instead of restarting at step 0 (offline runs cannot ask the server)."""
 
-    def __init__(self, run: Any | None, state: "RunState | None" = None, resumed: bool = False) -> None:
-        self.run, self.state, self.resumed = run, state, resumed  # resumed: the directory's earlier wandb run
+    def __init__(self, run: Any | None, state: "RunState | None" = None) -> None:
+        self.run, self.state = run, state
         if run is not None:
             run.define_metric("seq_len")
             for name in POINT_METRICS:
@@ -150,11 +151,12 @@ class RunLogger:
         self.log({k: v for k, v in record.items() if _is_number(v)})
 
     def add_unlogged(self, rows: list[dict[str, Any]]) -> list[int]:
-        """A resumed wandb run: the directory's rows (results.jsonl's, in file order) past the points it
-        logged, logged now, before this run measures: rows a run with wandb off added, or one written as
-        the disk filled (in results.jsonl, the run ended before its log call), which no later run logged
-        (they are kept, not measured again). Their lengths."""
-        if self.run is None or not self.resumed or self.state.points >= len(rows):
+        """The directory's rows (results.jsonl's, in file order) past the points its wandb run logged,
+        logged now, before this run measures: rows a run with wandb off added, or one written as the disk
+        filled (in results.jsonl, the run ended before its log call); a new wandb run, every row there.
+        They are kept, not measured again, so no later run would log them. The run's points are then the
+        file's rows, one for one, and the next rows it adds are logged as they come. Their lengths."""
+        if self.run is None or self.state.points >= len(rows):
             return []
         unlogged = rows[self.state.points:]
         for record in unlogged:
@@ -265,7 +267,6 @@ def wandb_run(cfg: LoggerConfig, directory: Path, config: dict[str, Any], *, nam
 
     directory.mkdir(parents=True, exist_ok=True)
     state = RunState(directory)
-    resumed = state.run_id is not None
     kwargs = dict(dir=str(directory), project=cfg.project, entity=cfg.entity, name=name, group=group, tags=tags,
                   reinit="create_new", id=state.run_id, resume="allow" if state.run_id else None)
     try:
@@ -285,7 +286,7 @@ def wandb_run(cfg: LoggerConfig, directory: Path, config: dict[str, Any], *, nam
         state.save(run.id)
         # A resumed run's config is replaced, not merged with a conflict: the rerun may add lengths.
         run.config.update(config, allow_val_change=True)
-        yield RunLogger(run, state, resumed)
+        yield RunLogger(run, state)
         exit_code = 0
     finally:
         run.finish(exit_code=exit_code)

@@ -975,8 +975,8 @@ class ResultStore:
         if state.run_id is not None and state.points > len(self.rows):
             aside = move_aside([self.output_dir / RUN_STATE], "replaced")
             self.warn(f"wandb run {state.run_id} logged {state.points} point(s) and {self.jsonl.name} holds "
-                      f"{len(self.rows)} row(s): the points measured again go to a new wandb run ({RUN_STATE} "
-                      f"moved to {aside[0].name})")
+                      f"{len(self.rows)} row(s): the directory's points, and those measured again, go to a new "
+                      f"wandb run ({RUN_STATE} moved to {aside[0].name})")
 
     def _load(self) -> None:
         text = read_text(self.jsonl)  # bytes not UTF-8 kept as they are

@@ -78,20 +78,29 @@ def wandb_records(run_dir: Path) -> list[dict]:
 
 
 def test_extending_a_run_with_wandb_on_logs_each_point_once_in_one_run(tmp_path):
+    """Rows the wandb run has not logged (added with wandb off; also one written as the disk filled: kept, not
+    measured again, so no later run logged them) are logged first, in file order: the run's points are the
+    file's rows, one for one. A new wandb run on a directory with rows logs them all first (it logged only
+    what it measured, then took its count of points for a position in the file: the next run logged a
+    point twice and never the first one)."""
     out = tmp_path / "D"
-    first = cli("seq_lens=[32]", f"hydra.run.dir={out}", wandb=True)
-    assert first.returncode == 0, first.stderr[-3000:]
-    # A row the wandb run never logged (here a run with wandb off; also one written as the disk filled): kept,
-    # not measured again, so no later run logged it
-    assert cli("seq_lens=[40]", f"hydra.run.dir={out}").returncode == 0
-    again = cli("seq_lens=[32,40,48]", f"hydra.run.dir={out}", wandb=True)
-    assert again.returncode == 0, again.stderr[-3000:]  # was: TypeError on TorchVersion, status failed
-    assert ("warning: wandb: 1 point(s) of results.jsonl its wandb run had not logged (N=40; written with wandb "
-            "off, or as a disk filled): logged now") in again.stderr, again.stderr[-3000:]
+
+    def harness(lens: str, wandb: bool) -> str:
+        proc = cli(f"seq_lens=[{lens}]", f"hydra.run.dir={out}", wandb=wandb)
+        assert proc.returncode == 0, proc.stderr[-3000:]  # was: TypeError on TorchVersion, status failed
+        return proc.stderr
+    harness("32", wandb=False)
+    said = harness("32,40", wandb=True)
+    assert ("warning: wandb: 1 point(s) of results.jsonl its wandb run had not logged (N=32; written with wandb "
+            "off, or as a disk filled): logged now") in said, said[-3000:]
+    harness("48", wandb=False)
+    said = harness("32,40,48,56", wandb=True)
+    assert "its wandb run had not logged (N=48;" in said, said[-3000:]
+    assert "had not logged" not in harness("32,40,48,56", wandb=True)  # every row logged
     assert json.loads((out / "status.json").read_text())["state"] == "completed"
-    assert seq_lens_of(out) == [32, 40, 48]
+    assert seq_lens_of(out) == [32, 40, 48, 56]
     runs = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2
+    assert len(runs) == 3
     state = json.loads((out / "wandb" / "harness-run.json").read_text())
     assert all(state["id"] in run_dir.name for run_dir in runs), (state, runs)  # one wandb run, resumed
     points, steps = [], []
@@ -102,7 +111,7 @@ def test_extending_a_run_with_wandb_on_logs_each_point_once_in_one_run(tmp_path)
                 steps.append(item["_step"])
                 if "fwd_ms" in item:
                     points.append(item["seq_len"])
-    assert points == [32, 40, 48], points  # each point logged once across both runs, in the file's order
+    assert points == [32, 40, 48, 56], points  # each point logged once across the runs, in the file's order
     assert steps == sorted(steps) and len(set(steps)) == len(steps), steps  # one increasing history
 
 
@@ -153,8 +162,9 @@ def test_a_wandb_run_that_logged_points_whose_rows_are_lost_is_not_resumed(tmp_p
     lines = lines_of(out / "results.jsonl")
     (out / "results.jsonl").write_text(lines[1] + "\n")  # the first row lost
     ResultStore(out, warn=said.append).close()
-    assert said[1:] == [f"wandb run abc123 logged 2 point(s) and results.jsonl holds 1 row(s): the points measured again "
-                    f"go to a new wandb run ({RUN_STATE} moved to {next(out.glob('wandb/harness-run.json.replaced-*')).name})"]
+    aside = next(out.glob("wandb/harness-run.json.replaced-*")).name
+    assert said[1:] == [f"wandb run abc123 logged 2 point(s) and results.jsonl holds 1 row(s): the directory's points, "
+                        f"and those measured again, go to a new wandb run ({RUN_STATE} moved to {aside})"]
     assert RunState(out).run_id is None
 
 
