@@ -71,17 +71,22 @@ def sweep_group_name(sweep_dir: str | Path) -> str:
 def jobs_logger(sweep_dir: Path) -> dict[str, str]:
     """Where the sweep's wandb jobs logged: the ``logger.group``, ``.project`` and ``.entity`` they set
     (read from their .hydra/config.yaml), each key left out where no job set it (the group is then
-    ``sweep_group_name(sweep_dir)``). The report's wandb run and the dashboard go there too."""
+    ``sweep_group_name(sweep_dir)``). The report's wandb run and the dashboard go there too. ValueError
+    (one line) where the jobs set two of one: either place would leave the other's runs out, unsaid."""
     from omegaconf import OmegaConf
 
-    found: dict[str, str] = {}
+    found: dict[str, set[str]] = {}
     for config in sorted(Path(sweep_dir).glob("*/.hydra/config.yaml")):
         logger = OmegaConf.to_container(OmegaConf.load(config)).get("logger") or {}
         if logger.get("name", "wandb") == "wandb":
             for key in ("group", "project", "entity"):
-                if logger.get(key) and key not in found:
-                    found[key] = str(logger[key])
-    return found
+                if logger.get(key):
+                    found.setdefault(key, set()).add(str(logger[key]))
+    for key, values in found.items():
+        if len(values) > 1:
+            raise ValueError(f"the sweep's jobs logged to several wandb {key}s ({', '.join(sorted(values))}); "
+                             f"allowed: one logger.{key} for a sweep's jobs (report and chart each part apart)")
+    return {key: values.pop() for key, values in found.items()}
 
 
 def has_credentials() -> bool:

@@ -84,7 +84,10 @@ def jobs_from_dir(sweep_dir: Path) -> dict[str, str]:
         raise Failure(f"{sweep_dir}: no sweep jobs (*/.hydra/config.yaml) here; pass the wandb group name")
     if all((OmegaConf.load(c).get("logger") or {}).get("name", "wandb") != "wandb" for c in configs):
         raise Failure(f"{sweep_dir}: its jobs ran without wandb (logger=none); nothing to chart")
-    jobs = jobs_logger(sweep_dir)
+    try:
+        jobs = jobs_logger(sweep_dir)
+    except ValueError as e:
+        raise Failure(f"{sweep_dir}: {e}") from None
     return {**jobs, "group": jobs.get("group") or sweep_group_name(sweep_dir)}
 
 

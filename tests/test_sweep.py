@@ -491,6 +491,19 @@ def test_the_group_of_a_sweeps_runs_is_logger_group_where_its_jobs_set_it(tmp_pa
     (tmp_path / "1" / ".hydra" / "config.yaml").write_text(json.dumps(
         {"logger": {"name": "wandb", "group": "ab", "project": "myproj", "entity": "myteam"}}))
     assert jobs_logger(tmp_path) == {"group": "ab", "project": "myproj", "entity": "myteam"}
+    # Jobs that logged to two projects: the report and the dashboard charted the first one's, unsaid
+    (tmp_path / "0" / ".hydra" / "config.yaml").write_text(json.dumps({"logger": {"name": "wandb", "project": "pB"}}))
+    with pytest.raises(ValueError, match=r"^the sweep's jobs logged to several wandb projects \(myproj, pB\); "):
+        jobs_logger(tmp_path)
+    (tmp_path / "0" / "results.jsonl").write_text("")
+    p = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path), "--wandb"], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "several wandb projects (myproj, pB)" in p.stderr, p.stderr
+    assert not (tmp_path / "report").exists()
+    if importlib.util.find_spec("wandb_workspaces") is not None:  # an extra: checked where installed
+        p = dashboard(str(tmp_path), "--dry-run", home=tmp_path)
+        assert p.returncode == 1 and "several wandb projects (myproj, pB)" in p.stderr, p.stdout + p.stderr
+    (tmp_path / "0" / ".hydra" / "config.yaml").write_text(json.dumps({"logger": {"name": "none"}}))
     p = dashboard(str(tmp_path), "--dry-run", home=tmp_path)
     if importlib.util.find_spec("wandb_workspaces") is not None:  # an extra: its outline where installed
         assert p.returncode == 0, p.stdout + p.stderr

@@ -630,10 +630,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         p.error(f"--out: {err}")
     if args.wandb:
-        from harness.logger import check_wandb_mode_env
+        from harness.logger import check_wandb_mode_env, jobs_logger
 
         try:
             check_wandb_mode_env()
+            jobs_logger(args.sweep_dir)  # where it logs: one place, before the report is made
         except ValueError as err:
             p.error(str(err))
     if out.resolve() == args.sweep_dir.resolve():
