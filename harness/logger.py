@@ -190,7 +190,7 @@ class RunLogger:
         import wandb
 
         columns = list(dict.fromkeys(c for r in rows for c in r))
-        table = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows])
+        table = wandb.Table(columns=columns, data=[[table_cell(r.get(c)) for c in columns] for r in rows])
         ok = [r for r in rows if r.get("status") == "ok"]
         plots = {}
         for metric, title in (("fwd_bwd_ms", "forward+backward time (ms)"),
@@ -211,7 +211,7 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _cell(v: Any) -> Any:
+def table_cell(v: Any) -> Any:
     """A table cell: a list (noisy_passes, each rank's peak) as JSON text, as results.csv writes it."""
     if isinstance(v, (list, dict)):
         return json.dumps(v)

@@ -456,13 +456,19 @@ def test_seeds_table_pools_seeds_of_otherwise_equal_series(tmp_path):
 def test_report_wandb_logs_plots_and_tables_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    sweep = write_sweep(tmp_path / "mysweep", sweep_rows()[:1])
+    jobs = sweep_rows()[:1]
+    jobs[0][0].update(noisy=True, noisy_passes=["fwd", "bwd"])
+    sweep = write_sweep(tmp_path / "mysweep", jobs)
     (sweep / "0" / ".hydra").mkdir()  # the job logged to a project of its own: the report's run goes there too
     (sweep / "0" / ".hydra" / "config.yaml").write_text('logger: {name: wandb, project: myproj}\n')
     assert report.main([str(sweep), "--wandb"]) == 0
     (run,) = (sweep / "report" / "wandb").glob("offline-run-*")
     media = {p.name.split("_0_")[0] for p in (run / "files" / "media").rglob("*") if p.is_file()}
     assert {"fwd_ms", "bwd_ms", "peak_mem_bytes", "results", "max_fit"} <= media
+    # a list cell as results.csv has it (JSON text), not Python's repr "['fwd', 'bwd']"
+    (table,) = (run / "files" / "media" / "table").glob("table/results_*.table.json")
+    results = json.loads(table.read_text())
+    assert results["data"][0][results["columns"].index("noisy_passes")] == '["fwd", "bwd"]'
     # The group. wandb's service process may still be writing the run's log when finish() returns (seen
     # on a loaded machine: only the 7-byte header there): give it time, never accept it missing.
     deadline = time.monotonic() + 60

@@ -501,14 +501,13 @@ def log_wandb(out: Path, sweep: Path, images: dict[str, Path], rows: Rows, table
     """The same plots (wandb.Image) and tables (wandb.Table) in one wandb run of the sweep's group."""
     import wandb
 
-    from harness.logger import LoggerConfig, jobs_logger, sweep_group_name, wandb_run
-
-    def cell(v: Any) -> Any:
-        return v if v is None or isinstance(v, (int, float, str, bool)) else str(v)
+    from harness.logger import LoggerConfig, jobs_logger, sweep_group_name, table_cell, wandb_run
 
     cols = columns(rows)
     payload = {f"plot/{p.stem}": wandb.Image(str(p), caption=name) for name, p in images.items()}
-    payload["table/results"] = wandb.Table(columns=cols, data=[[cell(r.get(c)) for c in cols] for r in rows])
+    # a list (noisy_passes) as JSON text, as results.csv and the runs' points tables have it (was Python's repr)
+    payload["table/results"] = wandb.Table(columns=cols, data=[[table_cell(r.get(c)) for c in cols]
+                                                               for r in rows])
     for key, (_, head, body) in tables.items():
         payload[f"table/{key}"] = wandb.Table(columns=head, data=[[_fmt(c) for c in row] for row in body])
     # wandb_run: `with wandb.init(...) as run`, mode from WANDB_MODE / credentials, falls back offline.
