@@ -11,7 +11,8 @@ Writes <out>/<name>/results.{jsonl,csv}, env.json, fit.json per variant (its lat
 <out>/<name>/round-<r>/), and the combined <out>/results.csv (the kept rows), <out>/fit.json and
 <out>/SUMMARY.md (tables, fitted exponents, targets, the rounds' spread). The combined files hold every
 variant <out> has rows of from this machine, those --only left out included; SUMMARY.md names those
-measured on another machine.
+measured on another machine. A row another command measured into <out>/<name> (another window, another
+batch) is no round of it, and is left out; a forward+backward time noisy in every round is marked so.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ exit_at_startup_interrupts("bench_cpu.py")
 # No torch here (harness.env imports it): the command line is checked, and the process re-executed with
 # ALLOCATOR_ENV, before torch's import (seconds) is paid, and paid once.
 from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg, wait_through_ctrl_c  # noqa: E402
-from harness.results import (Result, fit_exponents, latest, machine, median_run, read_jsonl, write_csv,  # noqa: E402
-                             write_json)
+from harness.results import (Result, fit_exponents, latest, machine, median_run, read_jsonl, untrusted,  # noqa: E402
+                             write_csv, write_json)
 
 CONFIGS = {  # name -> overrides of conf/config.yaml
     "full_math": ["variant=full", "variant.backend=math"],
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--glibc-default", action="store_true",
                     help=f"keep glibc's default allocator settings (otherwise re-run with {ALLOCATOR_ENV})")
     args = ap.parse_args()
+    args.seq_lens = list(dict.fromkeys(args.seq_lens))  # a length given twice is one point (it was two columns)
     if not args.glibc_default and any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
 
@@ -199,10 +201,26 @@ def again(vdir: Path, args) -> list[int]:
 
 
 def stored(vdir: Path, rounds: bool = True) -> list[dict]:
-    """The rows of a variant's directory, the first round's and the later rounds', each the point's latest
-    row in its directory (a point measured again supersedes its earlier row there; both stay in the file)."""
+    """The rows of a variant's directory (``<out>/<name>``), the first round's and the later rounds', each
+    the point's latest row in its directory (a point measured again supersedes its earlier row there; both
+    stay in the file), of this script's configuration ``name`` only: a row another command measured into
+    the directory (another window, another batch) is no round of it."""
     paths = [vdir / "results.jsonl", *(sorted(vdir.glob("round-*/results.jsonl")) if rounds else [])]
-    return [rec for path in paths if path.exists() for rec in latest(read_jsonl(path))]
+    name = vdir.parent.name if vdir.name.startswith("round-") else vdir.name  # a later round's own directory
+    return [rec for path in paths if path.exists() for rec in latest(read_jsonl(path)) if ours(rec, name)]
+
+
+def ours(rec: dict, name: str) -> bool:
+    """Whether a row has what CONFIGS[name] and WORKLOAD set: its variant, backend, options, shape, dtype."""
+    import yaml
+
+    for override in (*CONFIGS[name], *WORKLOAD):
+        key, value = override.split("=", 1)
+        field = {"variant.backend": "backend"}.get(key, "opt_" + key.removeprefix("variant.") if
+                                                    key.startswith("variant.") else key)
+        if rec.get(field) != yaml.safe_load(value):
+            return False
+    return True
 
 
 def candidates(vdir: Path, rounds: bool = True) -> dict[int, list[Result]]:
@@ -235,7 +253,7 @@ def cell_ms(r) -> str:
     if r.status != "ok":
         return r.status
     iqr = "" if r.fwd_bwd_iqr_ms is None else f" ±{r.fwd_bwd_iqr_ms:.2g}"
-    return f"{r.fwd_bwd_ms:.4g}{iqr}"
+    return f"{r.fwd_bwd_ms:.4g}{iqr}" + (" noisy" if untrusted(r.record(), "fwd_bwd_ms") else "")
 
 
 def cell_mib(r) -> str:
@@ -282,7 +300,8 @@ def summarize(rows, spreads, fits, env, args, budget, elapsed, elsewhere) -> str
               f"{'; '.join(n + ' (' + ', '.join(m) + ')' for n, m in elsewhere.items())}.", ""] if elsewhere else []),
            "## Forward+backward time, ms (median ± IQR)", "",
            f"The median of each point's rounds (see Rounds); * where its rounds differ by more than "
-           f"{ROUNDS_DISAGREE - 1:.0%}.", "", head.rstrip("\n")]
+           f"{ROUNDS_DISAGREE - 1:.0%}; noisy where every round's forward+backward was (its spread or other "
+           "processes' load: see Disturbance), a timing not to be quoted.", "", head.rstrip("\n")]
     for name, rs in rows.items():
         b = by_n(rs)
         out.append(f"| {name} | " + " | ".join(cell_ms(b.get(n)) + disagree(spreads[name].get(n)) for n in ns) + " |")
@@ -302,8 +321,9 @@ def summarize(rows, spreads, fits, env, args, budget, elapsed, elsewhere) -> str
                    f"{g(k, 'fwd_bwd_ms', 'fitted')} | {g(k, 'fwd_bwd_ms', 'theory')} | "
                    f"{g(a, 'memory', 'fitted')} | {g(a, 'memory', 'theory')} |")
     out += ["", "## Targets", ""] + targets(rows, fits)
+    most = max((sp[0] for sps in spreads.values() for sp in sps.values()), default=args.rounds)  # earlier ones too
     out += ["", "## Rounds", "",
-            f"Each point was measured in up to {args.rounds} rounds, each in its own process, minutes apart "
+            f"Each point was measured in up to {most} rounds, each in its own process, minutes apart "
             f"(rounds in alternating variant order; a point whose first round took over {args.round_max_s:.0f} s "
             "was measured once). The cell: the slowest round's forward+backward time over the fastest's "
             "(the number of rounds); the tables above hold the median round.", "", head.rstrip("\n")]
@@ -318,8 +338,12 @@ def summarize(rows, spreads, fits, env, args, budget, elapsed, elsewhere) -> str
     for name, rs in rows.items():
         b = by_n(rs)
         out.append(f"| {name} | " + " | ".join(fmt(b[n].other_cpu_cores) if n in b else "-" for n in ns) + " |")
-    first = min(json.loads((args.out / name / "env.json").read_text())["date"] for name in rows)
-    last = max(r.date for name in rows for rs in candidates(args.out / name).values() for r in rs if r.date)
+    # The start: the first variant's env.json, or a row's date where that is earlier (a rerun that measured
+    # nothing writes env.json again: "from 12:07 to 12:05")
+    dates = [r.date for name in rows for rs in candidates(args.out / name).values() for r in rs if r.date]
+    first = min(dates + [json.loads(env.read_text())["date"] for name in rows
+                         if (env := args.out / name / "env.json").exists()])
+    last = max(dates)
     span = datetime.datetime.fromisoformat(last) - datetime.datetime.fromisoformat(first)
     out += ["", f"Measured from {first} to {last} ({span.total_seconds() / 60:.1f} min on this machine, "
             f"every round included); this invocation of the script took {elapsed / 60:.1f} min"

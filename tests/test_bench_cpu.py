@@ -55,7 +55,7 @@ def test_two_variants_at_two_lengths(tmp_path):
     # variant measured on another machine is named there, not mixed in
     (tmp_path / "full_sdpa").mkdir()
     (tmp_path / "full_sdpa" / "results.jsonl").write_text("".join(
-        json.dumps({**json.loads(line), "device_name": "Another CPU"}) + "\n"
+        json.dumps({**json.loads(line), "variant": "full", "backend": "sdpa", "device_name": "Another CPU"}) + "\n"
         for line in (tmp_path / "linear" / "results.jsonl").read_text().splitlines()))
     cmd = [c for c in cmd if c != "sliding_window"] + ["--resume"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
@@ -162,9 +162,24 @@ def test_the_rounds_are_this_machines_latest_rows(tmp_path):
              "dtype": "float32", "device": "cpu", "causal": False, "seed": 0}
     rows = [{**point, **here, "seq_len": 128, "status": "ok", "fwd_bwd_ms": 2.0},
             {**point, **here, "seq_len": 128, "status": "ok", "fwd_bwd_ms": 1.0},  # measured again: supersedes
-            {**point, "device_name": "Another CPU", "num_threads": 2, "seq_len": 256, "status": "ok", "fwd_bwd_ms": 3.0}]
-    (tmp_path / "round-2").mkdir()
-    for path in (tmp_path / "results.jsonl", tmp_path / "round-2" / "results.jsonl"):
+            {**point, "device_name": "Another CPU", "num_threads": 2, "seq_len": 256, "status": "ok", "fwd_bwd_ms": 3.0},
+            # another command's row in the directory (another batch): no round of full_sdpa's, which it was
+            {**point, **here, "batch_size": 2, "seq_len": 512, "status": "ok", "fwd_bwd_ms": 4.0}]
+    vdir = tmp_path / "full_sdpa"
+    (vdir / "round-2").mkdir(parents=True)
+    for path in (vdir / "results.jsonl", vdir / "round-2" / "results.jsonl"):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    found = bench.candidates(tmp_path)
+    found = bench.candidates(vdir)
     assert list(found) == [128] and [r.fwd_bwd_ms for r in found[128]] == [1.0, 1.0]
+
+
+def test_a_noisy_timing_is_marked_in_the_summarys_table():
+    """A kept round whose forward+backward is noisy (every round was) showed as a plain number."""
+    from harness.results import Result
+
+    bench = load_script("bench_cpu")
+    quiet = Result.from_record({"variant": "full", "backend": "sdpa", "seq_len": 128, "batch_size": 1, "num_heads": 4,
+                                "head_dim": 64, "dtype": "float32", "device": "cpu", "causal": False, "seed": 0,
+                                "status": "ok", "fwd_bwd_ms": 4.865, "fwd_bwd_iqr_ms": 0.5})
+    noisy = Result.from_record({**quiet.record(), "noisy": True, "noisy_passes": ["fwd_bwd"]})
+    assert (bench.cell_ms(quiet), bench.cell_ms(noisy)) == ("4.865 ±0.5", "4.865 ±0.5 noisy")
