@@ -129,7 +129,7 @@ def main() -> None:
         spreads[name] = {n: spread(found[n]) for n in args.seq_lens if n in found}
         fits[name] = {"all": fit_exponents(rows[name]), "2k_16k": fit_exponents(rows[name], 2048, 16384),
                       "seq_lens": args.seq_lens}
-    env = json.loads((args.out / args.only[0] / "env.json").read_text())  # this invocation's machine and code
+    env = machine_env(args.out, args.only)  # this invocation's machine and code
     elapsed = time.perf_counter() - started
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -178,6 +178,20 @@ def run_harness(overrides: list[str], output_dir: Path) -> None:
         sys.exit(128 - rc)
     if rc:
         sys.exit(rc)
+
+
+def machine_env(out: Path, names: list[str]) -> dict:
+    """The machine and code the summary names: the first measured variant's env.json (the harness writes
+    one with each run), else, where none is there (a --resume that ran nothing, its env.json removed by
+    hand: a traceback after the combined files were written), this process's, dated now."""
+    import torch
+
+    from harness import env as envmod
+
+    for name in names:
+        if (path := out / name / "env.json").exists():
+            return json.loads(path.read_text())
+    return {**envmod.collect(torch.device("cpu")).as_dict(), "date": envmod.now()}
 
 
 def wait_for_quiet(max_other_cores: float, timeout_s: float = 120.0) -> None:
