@@ -100,6 +100,26 @@ def test_cpu_small_submitit_local_launcher(tmp_path):
     assert (sweep_dir / ".submitit").is_dir()  # it did go through submitit
 
 
+def sweep_with_a_job_killed(args: list[str], cwd: Path, victim) -> tuple[str, str]:
+    """scripts/sweep.sh ARGS, one of whose jobs is SIGKILLed (as the OOM killer would) once ``victim()``,
+    polled, names its process; the sweep must then end within 120 s, exit 1, without a traceback. Its
+    output (stdout, stderr)."""
+    p = subprocess.Popen(["bash", str(SWEEP_SH), *args], cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while (pid := victim(p)) is None:
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 1 and "Traceback" not in out + err, (out + err)[-3000:]
+    return out, err
+
+
 @pytest.mark.parametrize("launcher", ["local_parallel", "submitit_local"])
 def test_a_job_killed_under_a_local_launcher_ends_the_sweep_with_its_summary_and_resumes(tmp_path, launcher):
     """A job's process SIGKILLed half way (as the OOM killer would) under joblib's workers or submitit's local
@@ -112,23 +132,11 @@ def test_a_job_killed_under_a_local_launcher_ends_the_sweep_with_its_summary_and
     seq_lens = [32, 64, 128, 256]
     args = ["cpu_small", *TINY, "variant=full,linear", f"seq_lens=[{','.join(map(str, seq_lens))}]",
             "measure.min_run_time=0.1", f"hydra/launcher={launcher}", f"hydra.sweep.dir={sweep_dir}"]
-    p = subprocess.Popen(["bash", str(SWEEP_SH), *args], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # job 0 (full), once it has measured its first point
-            found = jobs(sweep_dir) if sweep_dir.is_dir() else {}
-            status = found.get("full", tmp_path) / "status.json"
-            if status.is_file() and (full := json.loads(status.read_text())).get("points_done"):
-                break
-            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
-            time.sleep(0.1)
-        os.kill(full["pid"], signal.SIGKILL)
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    assert p.returncode == 1 and "Traceback" not in out + err, (out + err)[-3000:]
+
+    def full(p) -> int | None:  # job 0 (full), once it has measured its first point
+        status = (jobs(sweep_dir) if sweep_dir.is_dir() else {}).get("full", tmp_path) / "status.json"
+        return info["pid"] if status.is_file() and (info := json.loads(status.read_text())).get("points_done") else None
+    out, err = sweep_with_a_job_killed(args, tmp_path, full)
     summary = [line for line in out.splitlines() if line.startswith("jobs: 2 (")]
     assert len(summary) == 1 and "failed" in summary[0], (out + err)[-3000:]
     killed = json.loads((jobs(sweep_dir)["full"] / "status.json").read_text())
@@ -331,26 +339,16 @@ def test_a_job_killed_while_it_waits_for_its_shared_directory_counts_as_failed(t
     sweep_dir = tmp_path / "sweep"
     args = ["cpu_small", *TINY, "variant=full", "seq_lens=[32,64,128,256],[48]", "measure.min_run_time=0.2",
             "hydra/launcher=local_parallel", f"hydra.sweep.dir={sweep_dir}"]
-    p = subprocess.Popen(["bash", str(SWEEP_SH), *args], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # the first job holds the directory and has measured a point; the other waits
-            status = next(iter(jobs(sweep_dir).values()), tmp_path) / "status.json" if sweep_dir.is_dir() else tmp_path
-            holder = json.loads(status.read_text()) if status.is_file() else {}
-            waiting = [int(pid) for pid in subprocess.run(["pgrep", "-f", "popen_loky"], capture_output=True,
-                                                          text=True).stdout.split()
-                       if int(pid) != holder.get("pid") and os.getsid(int(pid)) == p.pid]
-            if holder.get("points_done") and len(waiting) == 1:
-                break
-            assert p.poll() is None and time.monotonic() < deadline, (p.communicate(), waiting)
-            time.sleep(0.1)
-        os.kill(waiting[0], signal.SIGKILL)
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    assert p.returncode == 1 and "Traceback" not in out + err, (out + err)[-3000:]
+    holder: dict = {}
+
+    def waiting(p) -> int | None:  # the first job holds the directory and has measured a point; the other waits
+        status = next(iter(jobs(sweep_dir).values()), tmp_path) / "status.json" if sweep_dir.is_dir() else tmp_path
+        holder.update(json.loads(status.read_text()) if status.is_file() else {})
+        others = [int(pid) for pid in subprocess.run(["pgrep", "-f", "popen_loky"], capture_output=True,
+                                                     text=True).stdout.split()
+                  if int(pid) != holder.get("pid") and os.getsid(int(pid)) == p.pid]
+        return others[0] if holder.get("points_done") and len(others) == 1 else None
+    out, err = sweep_with_a_job_killed(args, tmp_path, waiting)
     # loky may stop the holder too (failed, or gone where the killed job's status was written first) or let
     # it finish first
     summary = [line for line in out.splitlines() if line.startswith("jobs: ")]
