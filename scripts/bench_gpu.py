@@ -1,6 +1,7 @@
 """GPU benchmark: the harness's own sweeps at the FlashAttention papers' shapes, then what a sweep cannot
 measure (the matmul roof, public kernels, the harness's overhead: bench_gpu_kernels.py) and the targets
-(bench_gpu_summary.py). This file plans the job and runs it: which sweeps, in which order, within a budget.
+(bench_gpu_summary.py). This file plans the job: which sweeps, in which order; harness.job runs them
+within a budget, resumably.
 
     python scripts/bench_gpu.py [--out DIR] [--budget-s S] [--steps roof,c-targets,d,a-targets,c,a] [--smoke]
     python scripts/bench_gpu.py --summary-only --out DIR   # SUMMARY.md, summary.json, reports again (on any
@@ -41,21 +42,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import os
 import platform
 import re
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]  # the harness, and this script's two modules
@@ -65,15 +57,14 @@ from harness.signals import exit_at_startup_interrupts  # noqa: E402
 exit_at_startup_interrupts("bench_gpu.py")
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
-from bench_gpu_kernels import BUDGET_SPENT, part_overhead, part_public, part_roof, public_list  # noqa: E402
+from bench_gpu_kernels import part_overhead, part_public, part_roof, public_list  # noqa: E402
 from bench_gpu_summary import (COMPARED, EXPONENT_TARGETS, TABLE21, case_disturbed, d_done, invocations,  # noqa: E402
                                job_file, n2, other_device, side_rows, summarize)
 from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import device_name, now  # noqa: E402
-from harness.results import latest, read_jsonl, write_json  # noqa: E402
-from harness.signals import Terminated  # noqa: E402
+from harness.job import COMPILED, Job, Step, with_seq_lens  # noqa: E402
+from harness.results import write_json  # noqa: E402
 
 STEPS = ("roof", "c-targets", "d", "a-targets", "c", "a")
 CHILDREN = {"roof": part_roof, "d:overhead": part_overhead, "d:public": part_public}  # steps of this script's own
@@ -84,15 +75,6 @@ VARIANTS = [("full", "full", {}), ("sliding_window", "sliding_window", {}), ("li
             ("sparse-strided", "sparse", {"pattern": "strided"}), ("sparse-bigbird", "sparse", {"pattern": "bigbird"}),
             ("blockwise-exact", "blockwise", {"mode": "exact"}), ("reformer", "reformer", {}),
             ("adaptive_span", "adaptive_span", {})]
-COMPILED = ("flex",)  # backends that compile per N (tens of seconds each): sweeps of their own, later
-# Compiling ahead (precompile): at most this many processes at once, within this share of the budget
-# left (a process past it is killed). On the H100's 16-core host a flex point took 4-8 s to compile
-# (adaptive_span's 12-16 s), one after another in its sweep; one compiled by an earlier process warmed up
-# in 0.3-1.7 s (torch's caches).
-PRECOMPILE_PROCESSES = 6  # each holds one point's tensors: 6 at N=64K, B=16, H=8, D=64 are about 60 GB
-PRECOMPILE_SHARE = 1 / 3
-# A point as warm-up only: the variant's prepare and one checked forward+backward, nothing timed
-WARM_UP_ONLY = {"measure.passes": "[]", "measure.memory": "false", "fidelity.enabled": "false"}
 
 
 @dataclass(frozen=True)
@@ -124,35 +106,22 @@ SMOKE_PLAN = Plan(smoke=True, a=["seq_lens=[128,256]", "batch_size=1", "num_head
                   overhead_rounds=1)  # CPU timings, no target: one round, whatever they say
 
 
-@dataclass(frozen=True)
-class Step:
-    """One resumable piece of the job: a harness sweep of conf/sweep/<preset>.yaml into <out>/<directory>,
-    or (no preset) a step of this script run in a process of its own (roof, d:overhead, d:public)."""
-    group: str  # what --steps names (STEPS)
-    name: str  # its entry in state.json: "complete" once done
-    preset: str | None = None
-    overrides: tuple[str, ...] = ()
-    directory: str = ""
+class Context(Job):
+    """One invocation, a harness.job.Job (the results directory and its state.json, the budget left, the
+    sweeps' runs) with the plan, the device and the labels chosen; and what each label is on the device,
+    for bench_gpu_kernels and bench_gpu_summary too (they read no other module's definitions of the job)."""
 
-
-class Context:
-    """One invocation: the plan, the results directory and its state.json, the device, the budget left,
-    the labels chosen; and what each label is on the device, for bench_gpu_kernels and
-    bench_gpu_summary too (they read no other module's definitions of the job)."""
+    prog = "bench_gpu.py"
 
     def __init__(self, plan: Plan, out: Path, device: torch.device, budget_s: float | None, log,
                  labels: list[str], recorded: dict[str, list[str]] | None = None) -> None:
-        self.plan, self.out, self.device, self.log, self.labels = plan, out, device, log, labels
-        self.deadline = None if budget_s is None else time.monotonic() + budget_s
-        self.state = job_file(out / "state.json") or {}
+        super().__init__(out, budget_s, log, plan.common, device)
+        self.plan, self.labels = plan, labels
         self.lost = False  # this process lost its CUDA context (d:public): its kernels stop
         self._steps: list[Step] | None = None
         # Reading an earlier run's results (--summary-only, --pending): each label's backends as the
         # measuring machine had them (measured_on), not as this one's installation has them
         self.recorded = recorded or {}
-
-    def left(self) -> float:
-        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
     def steps(self, group: str | None = None) -> list[Step]:
         if self._steps is None:
@@ -166,10 +135,8 @@ class Context:
         """Whether ``step`` has nothing left to measure: state.json says so, and what it measured is there:
         a sweep's row for each of its points, d:public's for each public kernel (a length, pattern or
         kernel added since the step ran, or a file lost since, reopens it), roof's and d:overhead's file."""
-        if self.state.get(step.name) != "complete":
-            return False
-        if step.preset is not None:
-            return not pending_points(self, step)
+        if step.preset is not None or self.state.get(step.name) != "complete":
+            return super().complete(step)
         if step.name == "d:public":
             have = d_done(side_rows(self.out / "d" / "compare.jsonl"))
             return all((label, name) in have for label, name, *_ in public_list(self))
@@ -185,9 +152,14 @@ class Context:
         """What needs CUDA is skipped: this is not a CUDA run."""
         return self.device.type != "cuda"
 
-    def finish(self, name: str, outcome: str) -> None:
-        self.state[name] = outcome
-        write_json(self.out / "state.json", self.state)
+    def command(self, step: Step, overrides: tuple[str, ...] | None = None, sweep_dir: Path | None = None
+                ) -> list[str]:
+        """A sweep's process (Job's), or this script again for one step of its own."""
+        if step.preset is not None:
+            return super().command(step, overrides, sweep_dir)
+        cmd = [str(Path(__file__).resolve()), "--child", step.name, "--out", str(self.out),
+               "--variants", ",".join(self.labels), *(["--smoke"] if self.plan.smoke else [])]
+        return cmd + ([] if self.left() == float("inf") else ["--budget-s", f"{self.left():.0f}"])
 
     # What a label is on this device
     def build(self, label: str):
@@ -254,7 +226,7 @@ def a_series(ctx: Context, targets: bool = False) -> list[Step]:
                 overrides = with_seq_lens("seq_len_scaling", overrides, lambda n: n >= ctx.plan.exponent_range[0])
             name = f"{'a-targets' if narrowed else 'a'}:{label}{kind}"
             series.append((tier, Step("a-targets" if targets else "a", name, "seq_len_scaling", tuple(overrides),
-                                      f"a/{label}")))
+                                      f"a/{label}", compiled=kind == ":compiled")))
     return [step for _, step in sorted(series, key=lambda s: s[0])]  # stable: VARIANTS' order in a tier
 
 
@@ -269,193 +241,6 @@ def d_steps(ctx: Context) -> list[Step]:
         *[f"variant.{k}={v}" for k, v in options.items()], *point), f"d/{label}")
         for label, variant, options in VARIANTS if label in COMPARED and label in ctx.labels]
     return [Step("d", "d:overhead"), *steps, Step("d", "d:public")]
-
-
-def seq_lens(preset: str, overrides: list[str] | tuple[str, ...]) -> list[int]:
-    """The lengths a sweep of ``preset`` with ``overrides`` runs: the overrides' own seq_lens, else the preset's."""
-    own = [o for o in overrides if o.startswith("seq_lens=")]
-    return yaml.safe_load(own[-1].split("=", 1)[1]) if own else preset_config(preset)["seq_lens"]
-
-
-def preset_config(name: str) -> dict:
-    """conf/sweep/<name>.yaml."""
-    return yaml.safe_load((ROOT / "conf" / "sweep" / f"{name}.yaml").read_text())
-
-
-def with_seq_lens(preset: str, overrides: list[str], keep: Callable[[int], bool]) -> list[str]:
-    """``overrides`` with seq_lens narrowed to the lengths ``keep`` admits (of ``seq_lens``)."""
-    lens = seq_lens(preset, overrides)
-    kept = ",".join(str(n) for n in lens if keep(n))
-    return [o for o in overrides if not o.startswith("seq_lens=")] + [f"seq_lens=[{kept}]"]
-
-
-def command(ctx: Context, step: Step, overrides: tuple[str, ...] | None = None, sweep_dir: Path | None = None
-            ) -> list[str]:
-    """The step's process: its sweep (``overrides`` instead of the step's own, into ``sweep_dir`` instead
-    of its directory: precompile's), or this script's step."""
-    if step.preset is None:  # this script again, for one step of its own
-        cmd = [str(Path(__file__).resolve()), "--child", step.name, "--out", str(ctx.out),
-               "--variants", ",".join(ctx.labels), *(["--smoke"] if ctx.plan.smoke else [])]
-        return cmd + ([] if ctx.left() == float("inf") else ["--budget-s", f"{ctx.left():.0f}"])
-    cmd = ["-m", "harness", "--multirun", f"sweep={step.preset}", *(step.overrides if overrides is None else overrides),
-           *ctx.plan.common, "logger=none", f"hydra.sweep.dir={sweep_dir or ctx.out / step.directory}"]
-    if ctx.device.type == "cuda":  # skip what clearly cannot fit; the rest runs and an oom is recorded
-        cmd.append(f"memory_budget_gb={1.25 * torch.cuda.get_device_properties(ctx.device).total_memory / 1e9:.1f}")
-    return cmd
-
-
-def run_step(ctx: Context, step: Step) -> None:
-    """Runs a step in a process of its own: the orchestrating process holds none of the step's memory
-    (only the CUDA context of its xformers probe), and a crash (a segfault, a lost CUDA context) ends
-    that step, not the job. A sweep still running when the budget is spent gets SIGTERM (its job records
-    interrupted; a rerun resumes it); one of this script's steps keeps to the budget itself."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for attempt in (1, 2):
-        if ctx.left() < 20:
-            return ctx.log(f"[{step.name}] not started: the budget is spent (run again to continue)")
-        cmd = [sys.executable, *command(ctx, step)]
-        ctx.log(f"[{step.name}] {' '.join(cmd[1:])}")
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-        grace = 60 if step.preset is None else 0
-        try:
-            rc = proc.wait(timeout=None if ctx.left() == float("inf") else max(1.0, ctx.left() + grace))
-            spent = rc == BUDGET_SPENT and step.preset is None
-        except subprocess.TimeoutExpired:
-            rc, spent = stop([proc])[0], True
-        except KeyboardInterrupt as e:  # Ctrl-C reached the step too (one process group); SIGTERM is passed on
-            stop([proc], signal.SIGTERM if isinstance(e, Terminated) else None)
-            raise
-        ctx.finish(step.name, "complete" if rc == 0 else "interrupted by the budget" if spent else f"exit {rc}")
-        if spent:
-            return ctx.log(f"[{step.name}] interrupted by the budget: run again to continue")
-        # A job that failed (one that lost the process's CUDA context stops its sweep's later jobs too):
-        # once more at once, in a new process that skips what is stored
-        if rc == 0 or attempt == 2 or ctx.left() < 60:
-            return
-        ctx.log(f"[{step.name}] exit {rc}: once more, resuming")
-
-
-def stop(procs: list[subprocess.Popen], sig: int | None = signal.SIGTERM) -> list[int]:
-    """Ends processes as a budget or an interrupt does: ``sig`` (None: they have their own, a Ctrl-C) to
-    each still running, 30 s for them to record where they stopped, then a kill. Their exit codes."""
-    running = [proc for proc in procs if proc.poll() is None]
-    for proc in running if sig is not None else []:
-        proc.send_signal(sig)
-    deadline = time.monotonic() + 30
-    for proc in running:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return [proc.wait() for proc in procs]
-
-
-def compiled(step: Step) -> bool:
-    """A sweep of the backends that compile per N (a_series' <label>:compiled)."""
-    return step.name.endswith(":compiled")
-
-
-# A sweep's keys (hydra's sweeper params and the overrides) that each row names, and the row's field
-GRID = {"variant": "variant", "variant.backend": "backend", "head_dim": "head_dim", "causal": "causal"}
-
-
-def pending_points(ctx: Context, step: Step) -> list[tuple]:
-    """The points of ``step``'s sweep that its directory holds no row of yet, as (its GRID values, N):
-    its jobs are the product of the GRID keys' values (the step's overrides, else the preset's sweeper
-    params; a key given in neither is not checked), each with the sweep's lengths. Every point of a
-    finished sweep has its row, an oom's or a skipped one's too."""
-    params = preset_config(step.preset)["hydra"]["sweeper"]["params"]
-    given = {**{k: str(v) for k, v in params.items()}, **dict(o.split("=", 1) for o in step.overrides if "=" in o)}
-    grid = {k: [yaml.safe_load(v) for v in given[k].split(",")] for k in GRID if k in given}
-    held = {(*[r.get(GRID[k]) for k in grid], r["seq_len"]) for path in (ctx.out / step.directory).rglob("results.jsonl")
-            for r in latest(read_jsonl(path))}
-    return [point for point in itertools.product(*grid.values(), seq_lens(step.preset, step.overrides))
-            if point not in held]
-
-
-def pending_lengths(ctx: Context, step: Step) -> list[int]:
-    """The lengths of ``step``'s sweep that a point of it has none of yet, shortest first."""
-    return sorted({point[-1] for point in pending_points(ctx, step)})
-
-
-def precompile_chunks(ctx: Context, steps: list[Step]) -> list[tuple[Step, list[int]]]:
-    """The pending points of ``steps`` in about PRECOMPILE_PROCESSES processes: each step's lengths split
-    over a share of them as large as its share of the points (every other length: alike in cost), so
-    that a step of five lengths alone compiles them at once, and five steps of ten take a process each
-    (a process starts in seconds, about what compiling one point costs)."""
-    pending = [(step, pending_lengths(ctx, step)) for step in steps]
-    total = sum(len(lens) for _, lens in pending)
-    chunks = []
-    for step, lens in pending:
-        m = max(1, min(len(lens), round(PRECOMPILE_PROCESSES * len(lens) / max(total, 1))))
-        chunks += [(step, lens[i::m]) for i in range(m) if lens[i::m]]
-    return chunks
-
-
-def precompile(ctx: Context, steps: list[Step]) -> None:
-    """Compiles the points of ``steps`` (sweeps of a compiled backend, about to run one after another)
-    several at once, before they are timed one at a time. Each process is a step's own sweep narrowed to
-    some of its lengths, each point a warm-up call only (measure.passes=[], no memory, no fidelity: the
-    harness's prepare and one checked forward+backward, which compile what its timed passes call), into
-    a scratch directory removed after. torch's compile caches on this machine's disk (inductor's FX
-    graphs and AOT autograd, triton's kernels) keep what they compiled, so each sweep's warm-up then loads
-    its kernels: its rows' warmup_s are a warm cache's. At most PRECOMPILE_PROCESSES at once, within
-    PRECOMPILE_SHARE of the budget left: a process still compiling then is killed, and what it had not
-    compiled compiles in its sweep, as without this step. What fails here (an out-of-memory beside the
-    others, a kernel that does not compile) is said in the log and fails again, recorded, in the sweep."""
-    chunks = precompile_chunks(ctx, steps)
-    points = sum(len(lens) for _, lens in chunks)
-    limit = min(ctx.left(), 3600) * PRECOMPILE_SHARE
-    if points < 2 or limit < 30:  # one point gains nothing from going first
-        return
-    began, deadline = time.monotonic(), time.monotonic() + limit
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    width = min(PRECOMPILE_PROCESSES, len(chunks))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, cores // width))}  # not in the caches' keys
-    ctx.log(f"[precompile] {points} points of {', '.join(s.name for s in steps)} in {len(chunks)} processes, "
-            f"{width} at once, warm-up calls only, within {limit:.0f} s")
-    scratch = Path(tempfile.mkdtemp(prefix="precompile-"))
-    started: list[subprocess.Popen] = []  # under ``lock``: an interrupt stops these, and no new one starts
-    lock, stopping = threading.Lock(), threading.Event()
-
-    def warm(i: int, step: Step, lens: list[int]) -> str | None:
-        """None once compiled, else what happened."""
-        overrides = [o for o in with_seq_lens(step.preset, list(step.overrides), lambda n: n in lens)
-                     if o.split("=", 1)[0] not in WARM_UP_ONLY] + [f"{k}={v}" for k, v in WARM_UP_ONLY.items()]
-        with lock:
-            if stopping.is_set():
-                return "not started: interrupted"
-            proc = subprocess.Popen([sys.executable, *command(ctx, step, tuple(overrides), scratch / str(i))],
-                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            started.append(proc)
-        try:
-            output, _ = proc.communicate(timeout=max(0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            return "stopped at the limit"
-        last = output.strip().splitlines()[-1:]
-        return None if proc.returncode == 0 else f"exit {proc.returncode}: {''.join(last)}"
-
-    pool = ThreadPoolExecutor(width)
-    try:
-        outcomes = list(pool.map(lambda c: warm(c[0], *c[1]), enumerate(chunks)))
-    except KeyboardInterrupt as e:
-        # The processes compiling end as run_step's do: SIGTERM passed on (a Ctrl-C reached them too: one
-        # process group), 30 s to end, then a kill; the pool's threads then return, and the interrupt goes on.
-        with lock:
-            stopping.set()
-        stop(started, signal.SIGTERM if isinstance(e, Terminated) else None)
-        raise
-    finally:
-        pool.shutdown(cancel_futures=True)
-        shutil.rmtree(scratch, ignore_errors=True)
-    for (step, lens), outcome in zip(chunks, outcomes):
-        if outcome:  # said, not fatal: the sweep compiles those points itself
-            ctx.log(f"[precompile] {step.name} N={','.join(map(str, lens))}: {outcome}")
-    ctx.log(f"[precompile] {outcomes.count(None)} of {len(chunks)} processes compiled theirs in "
-            f"{time.monotonic() - began:.0f} s")
 
 
 def record_invocation(ctx: Context, steps: list[str]) -> None:
@@ -521,11 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         device, recorded = measured_on(out, device)
     elif not args.child and (why := other_device(out, device_name(device))):
         ap.error(why)
-    start = time.monotonic()  # every line says when, so a job's log shows where a budget went
-
-    def log(message: str) -> None:
-        print(f"[{time.monotonic() - start:4.0f} s] {message}", flush=True)
-    ctx = Context(SMOKE_PLAN if args.smoke else GPU_PLAN, out, device, args.budget_s, log, chosen, recorded)
+    ctx = Context(SMOKE_PLAN if args.smoke else GPU_PLAN, out, device, args.budget_s, None, chosen, recorded)
     if args.pending:
         print(" ".join(s for s in steps if not ctx.done(s)))
         return 0
@@ -535,11 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         record_invocation(ctx, steps)
         ctx.log(f"bench_gpu: steps {','.join(steps)} on {device} -> {out}")
         for group in steps:
-            todo = [step for step in ctx.steps(group) if not ctx.complete(step)]
-            for i, step in enumerate(todo):
-                if compiled(step) and (i == 0 or not compiled(todo[i - 1])):  # the first of a run of them
-                    precompile(ctx, list(itertools.takewhile(compiled, todo[i:])))
-                run_step(ctx, step)
+            ctx.run(ctx.steps(group))
             ctx.log(f"step {group}: {'complete' if ctx.done(group) else 'not complete'}")
     res = summarize(ctx)
     for t in res["targets"]:

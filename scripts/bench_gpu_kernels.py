@@ -17,13 +17,13 @@ import torch
 from bench_gpu_summary import COMPARED, OURS_BARE, case_disturbed, d_done, fmt, job_file, side_rows
 from harness.config import one_line
 from harness.env import now
+from harness.job import BUDGET_SPENT
 from harness.results import write_json
 
 if TYPE_CHECKING:
     from bench_gpu import Context
 
 NEEDS_CUDA = "skipped: needs CUDA"
-BUDGET_SPENT = 3  # the exit status of a step that the budget stopped (not a failure)
 # Three kinds of kernel: a pinned SDPA one, a compiled one (FlexAttention: on any CUDA machine with triton;
 # xformers' wheels did not run on the H100's CUDA 13) and a composition of torch ops
 OVERHEAD_CASES = [("full", "sdpa_flash"), ("sliding_window", "flex"), ("linear", "sdpa")]

@@ -10,8 +10,6 @@ complete ones only, never on the first ones timed) | skipped (needs CUDA, on the
 
 from __future__ import annotations
 
-import json
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -19,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from harness.results import (InputError, atomic_write, fit_exponents, latest, load_rows, move_aside, noisy_passes,
-                             read_jsonl, untrusted, write_json)
+from harness.job import job_file as read_job_file
+from harness.results import (InputError, atomic_write, fit_exponents, latest, load_rows, noisy_passes, read_jsonl,
+                             untrusted, write_json)
 
 if TYPE_CHECKING:
     from bench_gpu import Context
@@ -455,33 +454,13 @@ def repository_relative(out: Path) -> None:
 
 def job_file(path: Path) -> Any:
     """One of the job's own JSON files (state.json, env.json, roof.json, d/overhead.json), None where there
-    is none. Each is written whole (write_json), so one that does not read as its kind (cut, emptied or
-    edited by hand) was not written by the job: it is moved aside to ``<name>.damaged-<time>``, with one
-    line saying so, and read as absent: the step it records is done again (state.json: each step is
-    checked against its rows again), where it was a traceback on every rerun."""
-    if not path.exists():
+    is none: read as harness.job reads a job's files (one that does not read as its kind is moved aside,
+    said in one line, and read as absent: the step it records is done again)."""
+    def check(obj: Any) -> str | None:
+        if path.name in ("roof.json", "overhead.json") and not isinstance(obj.get("status"), str):
+            return "no status"
         return None
-    try:
-        obj = json.loads(path.read_bytes())
-    except ValueError as e:  # json's errors, and bytes that are not UTF-8
-        problem = f"not JSON ({e})"
-    else:
-        expected = list if path.name == "env.json" else dict
-        if not isinstance(obj, expected):
-            kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-            problem = f"{kinds.get(type(obj), 'a number')}, not {kinds[expected]}"
-        elif expected is list and not all(isinstance(e, dict) for e in obj):
-            problem = "an entry that is not an object"
-        elif path.name == "state.json" and not all(isinstance(v, str) for v in obj.values()):
-            problem = "a step whose state is not a string"
-        elif path.name in ("roof.json", "overhead.json") and not isinstance(obj.get("status"), str):
-            problem = "no status"
-        else:
-            return obj
-    aside, = move_aside([path], "damaged")
-    print(f"bench_gpu.py: {path} is damaged ({problem}): moved to {aside.name} and read as absent",
-          file=sys.stderr)
-    return None
+    return read_job_file(path, list if path.name == "env.json" else dict, check, "bench_gpu.py")
 
 
 def invocations(out: Path) -> list[dict[str, Any]]:

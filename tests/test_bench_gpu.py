@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import variants
+from harness import job as harness_job
 from harness.results import FIELDS, fit_exponents, latest, load_rows, untrusted
 
 from .conftest import ROOT, load_script
@@ -339,9 +340,9 @@ def test_what_the_targets_need_runs_first(tmp_path):
     assert ctx.steps("a-targets")[0].overrides == ctx.steps("a")[0].overrides  # one sweep, not run twice
     assert not summary.n2("linear", "math") and summary.n2("full", "math") and summary.n2("sparse", "dense")
     # The lengths each target step asks for, from the presets' own lists
-    assert bench.with_seq_lens("seq_len_scaling", ["variant=linear"], lambda n: n >= 4096) == [
+    assert harness_job.with_seq_lens("seq_len_scaling", ["variant=linear"], lambda n: n >= 4096) == [
         "variant=linear", "seq_lens=[4096,8192,16384,32768,65536]"]
-    assert bench.with_seq_lens("fa2_full", ["seq_lens=[128,256]", "head_dim=16"], lambda n: n == 256) == [
+    assert harness_job.with_seq_lens("fa2_full", ["seq_lens=[128,256]", "head_dim=16"], lambda n: n == 256) == [
         "head_dim=16", "seq_lens=[256]"]
 
 
@@ -458,33 +459,33 @@ def test_compiled_sweeps_are_compiled_ahead_several_at_once_and_then_measured_as
     point as it would have. On CPU no backend compiles, so linear's sdpa stands in for one here."""
     bench, kernels, summary = load_bench()
     monkeypatch.setattr(bench, "COMPILED", ("sdpa",))
-    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(harness_job.tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     said = []
     ctx = bench.Context(bench.SMOKE_PLAN, tmp_path / "out", torch.device("cpu"), None, said.append, ["linear"])
-    step = next(s for s in ctx.steps("a-targets") if bench.compiled(s))
+    step = next(s for s in ctx.steps("a-targets") if s.compiled)
     assert "variant.backend=sdpa" in step.overrides
-    assert bench.precompile_chunks(ctx, [step]) == [(step, [128]), (step, [256])]  # one process per length
-    bench.precompile(ctx, [step])
+    assert harness_job.precompile_chunks(ctx, [step]) == [(step, [128]), (step, [256])]  # one process per length
+    ctx.precompile([step])
     assert said[0].startswith(f"[precompile] 2 points of {step.name} in 2 processes, 2 at once"), said
     assert said[1].startswith("[precompile] 2 of 2 processes compiled theirs in "), said  # none failed
     assert not (tmp_path / "out").exists() and not list((tmp_path / "tmp").iterdir())  # nothing kept
-    bench.run_step(ctx, step)
+    ctx.run_step(step)
     rows = [r for p in (tmp_path / "out").rglob("results.jsonl") for r in latest(load_rows(p))]
     assert sorted((r["seq_len"], r["status"]) for r in rows) == [(128, "ok"), (256, "ok")]
     assert all(r["fwd_bwd_ms"] > 0 and r["peak_mem_bytes"] is not None for r in rows)
     # Lengths the directory holds are not compiled again; one length left: not worth going first
-    assert bench.precompile_chunks(ctx, [step]) == []
+    assert harness_job.precompile_chunks(ctx, [step]) == []
     (held,) = {p for p in (tmp_path / "out").rglob("results.jsonl")}
     held.write_text("".join(line for line in held.read_text().splitlines(True) if '"seq_len": 256' not in line))
-    assert bench.precompile_chunks(ctx, [step]) == [(step, [256])]
+    assert harness_job.precompile_chunks(ctx, [step]) == [(step, [256])]
     said.clear()
-    bench.precompile(ctx, [step])
+    ctx.precompile([step])
     assert said == []
     # What fails there is said, and left to its sweep, where it fails again as a recorded result
     bad = dataclasses.replace(step, overrides=tuple("variant.backend=nope" if o.startswith("variant.backend=") else o
                                                     for o in step.overrides))
-    bench.precompile(ctx, [bad])
+    ctx.precompile([bad])
     assert said[1:3] == [f"[precompile] {bad.name} N={n}: exit 2: error: linear: unknown backend 'nope'; allowed: "
                          "math, sdpa" for n in (128, 256)], said
     assert len(said) == 4 and said[3].startswith("[precompile] 0 of 2 processes compiled theirs in "), said
@@ -500,11 +501,11 @@ sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "scripts")!r}]
 import torch, bench_gpu as bench
 from harness.config import ctrl_c_is_one_line
 bench.COMPILED = ("sdpa",)
-bench.command = lambda *a, **k: ["-c", "import time; time.sleep(120)"]
 ctx = bench.Context(bench.SMOKE_PLAN, __import__("pathlib").Path({str(tmp_path / "out")!r}), torch.device("cpu"),
                     None, print, ["linear"])
-step = next(s for s in ctx.steps("a-targets") if bench.compiled(s))
-sys.exit(ctrl_c_is_one_line(lambda: bench.precompile(ctx, [step]), "bench_gpu.py", "rerun to resume"))
+ctx.command = lambda *a, **k: ["-c", "import time; time.sleep(120)"]
+step = next(s for s in ctx.steps("a-targets") if s.compiled)
+sys.exit(ctrl_c_is_one_line(lambda: ctx.precompile([step]), "bench_gpu.py", "rerun to resume"))
 """
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -535,8 +536,8 @@ def test_each_run_of_compiled_sweeps_is_compiled_ahead_once_when_it_is_reached(t
     bench, kernels, summary = load_bench()
     monkeypatch.setattr(bench, "COMPILED", ("sdpa", "blocksparse"))  # CPU stand-ins for flex
     calls = []
-    monkeypatch.setattr(bench, "run_step", lambda ctx, step: calls.append(step.name))
-    monkeypatch.setattr(bench, "precompile", lambda ctx, steps: calls.append([s.name for s in steps]))
+    monkeypatch.setattr(bench.Context, "run_step", lambda ctx, step: calls.append(step.name))
+    monkeypatch.setattr(bench.Context, "precompile", lambda ctx, steps: calls.append([s.name for s in steps]))
     assert bench.main(["--smoke", "--steps", "a-targets", "--variants", "sliding_window,linear",
                        "--out", str(tmp_path)]) == 0
     assert calls == ["a-targets:linear",  # sliding_window's only other CPU backend is dense (N×N: not a target's)
@@ -628,7 +629,7 @@ def test_a_step_whose_rows_or_files_are_lost_is_done_again_and_a_damaged_job_fil
     # A sweep with some of its points' rows is pending at the others' lengths only
     lost.write_text(json.dumps(rows[0]) + "\n")
     (step,) = [s for s in ctx.steps() if s.name == "a:linear"]
-    assert bench.pending_lengths(context(), step) == [n for n in SMOKE_N if n != rows[0]["seq_len"]]
+    assert sorted({p[-1] for p in harness_job.pending_points(context(), step)}) == [n for n in SMOKE_N if n != rows[0]["seq_len"]]
     lost.unlink()
     kept = {name: (out / name).read_text() for name in ("state.json", "env.json")}
     for name, text, problem in [("state.json", "[]", "an array, not an object"),
