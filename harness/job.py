@@ -284,8 +284,8 @@ def pending_points(job: Job, step: Step) -> list[tuple]:
     params = preset_config(step.preset)["hydra"]["sweeper"]["params"]
     given = {**{k: str(v) for k, v in params.items()}, **dict(o.split("=", 1) for o in step.overrides if "=" in o)}
     grid = {k: [yaml.safe_load(v) for v in given[k].split(",")] for k in GRID if k in given}
-    held = {(*[r.get(GRID[k]) for k in grid], r["seq_len"]) for path in (job.out / step.directory).rglob("results.jsonl")
-            for r in latest(read_jsonl(path))}
+    held = {(*[r.get(GRID[k]) for k in grid], r["seq_len"])
+            for path in (job.out / step.directory).rglob("results.jsonl") for r in latest(read_jsonl(path))}
     return [point for point in itertools.product(*grid.values(), seq_lens(step.preset, step.overrides))
             if point not in held]
 

@@ -1,0 +1,76 @@
+"""harness.job on its own: a job of sweeps within a time budget, resumed (the GPU benchmark's use of it,
+compiling ahead and a budget spent mid-sweep, is tested in test_bench_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.job import Job, Step, job_file, pending_points
+from harness.results import latest, load_rows
+
+# Tiny CPU points, timings not judged as noise: the job's bookkeeping is the subject, not the numbers
+TINY = ("device=cpu", "dtype=float32", "batch_size=1", "num_heads=2", "head_dim=16", "fidelity.enabled=false",
+        "measure.min_run_time=0.01", "measure.min_samples=2", "measure.max_rel_iqr=1000",
+        "measure.max_other_cores=1000", "measure.on_noise=flag")
+
+
+def linear(lens: str = "[32,48]") -> Step:
+    return Step("a", "a:linear", "seq_len_scaling", ("variant=linear", "variant.backend=sdpa", f"seq_lens={lens}"),
+                "a/linear")
+
+
+def test_a_step_runs_once_and_is_done_again_only_where_a_point_is_missing(tmp_path):
+    """The first call measures the step's points and records it complete; the next finds every point's row
+    and starts nothing; a length added to the step (or a row lost) reopens it, and the rerun measures only
+    that point."""
+    said: list[str] = []
+    Job(tmp_path, budget_s=600, log=said.append, common=TINY).run([linear()])
+    rows = latest(load_rows(tmp_path / "a"))
+    assert sorted((r["seq_len"], r["status"]) for r in rows) == [(32, "ok"), (48, "ok")]
+    assert json.loads((tmp_path / "state.json").read_text()) == {"a:linear": "complete"}
+    said.clear()
+    job = Job(tmp_path, log=said.append, common=TINY)
+    assert job.complete(linear()) and said == []
+    job.run([linear()])
+    assert said == []  # nothing started
+    longer = linear("[32,48,64]")
+    assert not job.complete(longer) and pending_points(job, longer) == [("linear", "sdpa", 64)]
+    job.run([longer])
+    assert sorted(r["seq_len"] for r in latest(load_rows(tmp_path / "a"))) == [32, 48, 64]
+    assert len(load_rows(tmp_path / "a")) == 3  # nothing measured twice
+    assert job.complete(longer)
+
+
+def test_a_spent_budget_starts_nothing_and_leaves_the_state_alone(tmp_path):
+    said: list[str] = []
+    Job(tmp_path, budget_s=5, log=said.append, common=TINY).run([linear()])
+    assert said == ["[a:linear] not started: the budget is spent (run again to continue)"]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "state.json").exists()
+
+
+def test_a_sweeps_command_and_a_step_of_a_subclasss_own(tmp_path):
+    """A sweep's process: the preset, the step's overrides, the job's common ones, no wandb logger, into
+    the step's directory (or another's: compiling ahead's scratch). A step without a preset is a
+    subclass's, which says how to run it."""
+    job = Job(tmp_path, common=("device=cpu",))
+    assert job.command(linear()) == ["-m", "harness", "--multirun", "sweep=seq_len_scaling", "variant=linear",
+                                     "variant.backend=sdpa", "seq_lens=[32,48]", "device=cpu", "logger=none",
+                                     f"hydra.sweep.dir={tmp_path / 'a' / 'linear'}"]
+    assert job.command(linear(), ("variant=full",), tmp_path / "x")[4:] == [
+        "variant=full", "device=cpu", "logger=none", f"hydra.sweep.dir={tmp_path / 'x'}"]
+    with pytest.raises(NotImplementedError):
+        job.command(Step("roof", "roof"))
+
+
+@pytest.mark.parametrize("text, problem", [("[]", "an array, not an object"), ("{\"a\": \"compl", "not JSON"),
+                                           ('{"a": 1}', "a step whose state is not a string")])
+def test_a_damaged_state_is_set_aside_in_one_line_and_read_as_empty(tmp_path, capsys, text, problem):
+    (tmp_path / "state.json").write_text(text)
+    assert Job(tmp_path).state == {}
+    (aside,) = tmp_path.glob("state.json.damaged-*")
+    assert aside.read_text() == text and not (tmp_path / "state.json").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"harness: {tmp_path / 'state.json'} is damaged ({problem}"), err
+    assert job_file(tmp_path / "state.json") is None  # gone: absent, not damaged again
