@@ -215,6 +215,20 @@ def test_degenerate_equals_full(name, options, causal):
     torch.testing.assert_close(attn(q, k, v, causal=causal), full, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["blocksparse", "dense"])
+@pytest.mark.parametrize("window,dilation", [(10**18, 10), (2**62, 2), (2**63 - 1, 3)])
+def test_window_times_dilation_past_int64_keeps_every_dth_key(window, dilation, backend):
+    """Each option fits int64 but w·d does not: the band still reaches every key, and the residue rule
+    alone is left (it overflowed to an empty mask: NaN on dense, an unnormalised output on blocksparse)."""
+    N = 37
+    attn = variants.build("sliding_window", window=window, dilation=dilation, backend=backend)
+    i = torch.arange(N)
+    want = (i[:, None] - i[None, :]) % dilation == 0
+    assert attn.mask(N).equal(want)
+    q, k, v = qkv(1, 2, N, 8)
+    torch.testing.assert_close(attn(q, k, v), dense_attention(q, k, v, want, 8 ** -0.5), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("name,options", [("blockwise", {"mode": "exact"}), ("blockwise", {"mode": "local"}),
                                           ("sparse", {"pattern": "fixed"}), ("sparse", {"pattern": "bigbird"})],
                          ids=lambda x: str(x))

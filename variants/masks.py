@@ -46,11 +46,15 @@ def reordered(pred: Predicate, order: Tensor) -> Predicate:
 def sliding_window(window: int, dilation: int = 1, global_tokens: int = 0) -> Predicate:
     """Longformer: |i − j| ≤ w·d and (i − j) mod d == 0, or either position among the first g."""
 
+    # w·d capped at int64's largest: past it the comparison with an index tensor overflowed (w = 10^18,
+    # d = 10 allowed no pair at all, not every d-th key), and no distance between positions comes near it.
+    reach = min(window * dilation, 2**63 - 1)
+
     # Terms that allow everything or nothing (d = 1, g = 0) are left out: FlexAttention's kernel evaluates
     # the predicate on every element of its partial tiles.
     def allowed(i: Tensor, j: Tensor) -> Tensor:
         dist = i - j
-        local = dist.abs() <= window * dilation
+        local = dist.abs() <= reach
         if dilation > 1:
             local = local & (dist % dilation == 0)
         if global_tokens > 0:
