@@ -217,6 +217,19 @@ def test_one_or_two_chunks_equal_the_exact_counterpart(N, causal):
     assert r["out_rel_err"] < 1e-5 and r["grad_rel_err"] < 1e-4 and r["mass_kept"] is None
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_a_bucket_far_past_n_costs_n_not_the_bucket(causal):
+    """bucket_size ≥ N is one chunk of N positions (every key): tiles of N × N, not of c × c (c = 10^5 at
+    N = 37 was planned as a 961 GB point and skipped), and the same function as a chunk of exactly N."""
+    N = 37
+    attn = variants.build("reformer", bucket_size=100_000, n_hashes=2)
+    assert attn.executed_pairs(N) == 2 * N * N and attn.memory_bytes(1, 2, N, 8, 8, causal) < 2**20
+    q, k, v = qkv(1, 2, N, 8, dtype=torch.float64, seed=3)
+    want = variants.build("reformer", bucket_size=N, n_hashes=2)(q, k, v, causal=causal)
+    assert_close(attn(q, k, v, causal=causal), want, 1e-12)
+    assert_close(attn(q, k, v, causal=causal), attn.reference(q, k, v, causal=causal), 1e-12)
+
+
 def test_fidelity_is_against_the_counterpart():
     """At N > 2c the variant drops keys: its error is positive, and measured against full attention on
     k̂ with the self rule (a dense computation here), not against attention on the unused k."""

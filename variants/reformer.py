@@ -128,7 +128,7 @@ class Reformer(Attention):
         """(B, H, r, N) bucket of every position in every round, hashed in at least float32."""
         B, H, N, D = q.shape
         nb = self.num_buckets(N)
-        rows = max(1, (N * self.options.bucket_size) // nb)  # temporaries of about N·c elements
+        rows = max(1, (N * self.chunk_length(N)) // nb)  # temporaries of about N·c elements
         heads, total = self.heads(H)  # R_{t,h} of these heads: the same draw on a head shard (ulysses)
         q = q.to(torch.promote_types(q.dtype, torch.float32))
         key = (total, D, nb, heads.start, heads.stop, str(q.device), q.dtype)
@@ -136,14 +136,20 @@ class Reformer(Attention):
             self._rotations_on[key] = self.rotations(total, D, nb)[:, heads].to(device=q.device, dtype=q.dtype)
         return hash_buckets(q, self._rotations_on[key], rows)
 
+    def chunk_length(self, seq_len: int) -> int:
+        """c as computed: ``bucket_size``, or N when it is longer. A chunk of c ≥ N positions holds the whole
+        sequence either way (n_c = 1, the same set), so the tiles are N × N, not c × c (bucket_size=10^5 at
+        N=64 was planned as 961 GB and skipped)."""
+        return min(self.options.bucket_size, seq_len)
+
     def num_chunks(self, seq_len: int) -> int:
-        return math.ceil(seq_len / self.options.bucket_size)
+        return math.ceil(seq_len / self.chunk_length(seq_len))
 
     def allowed_set(self, q: Tensor, causal: bool = False) -> Tensor:
         """P(i) from the definition, materialised: (B, H, N, N) bool. O(N²): the dense path and the
         reference only."""
         N = q.shape[-2]
-        c, n_c = self.options.bucket_size, self.num_chunks(N)
+        c, n_c = self.chunk_length(N), self.num_chunks(N)
         _, rank = sort_rounds(self.buckets(q))
         chunk = rank // c  # (B, H, r, N): C_t(i)
         ci, cj = chunk[..., :, None], chunk[..., None, :]  # (B, H, r, N, 1), (B, H, r, 1, N)
@@ -161,13 +167,13 @@ class Reformer(Attention):
     # ----- facts --------------------------------------------------------------------------------------
     def window(self, seq_len: int) -> int:
         """Keys gathered per query and round: its chunk and the one before (one chunk when n_c = 1)."""
-        c = self.options.bucket_size
+        c = self.chunk_length(seq_len)
         return c if self.num_chunks(seq_len) == 1 else 2 * c
 
     def chunks_per_slice(self, B: int, H: int, seq_len: int, device: torch.device | str | None) -> int:
         """Chunks per slice of the ``lsh`` path (each of every round): as many as keep the
         slice's c × window score tiles within slice_elements(device), one at least."""
-        per_chunk = B * H * self.options.n_hashes * self.options.bucket_size * self.window(seq_len)
+        per_chunk = B * H * self.options.n_hashes * self.chunk_length(seq_len) * self.window(seq_len)
         return max(1, slice_elements(device) // per_chunk)
 
     def allowed_pairs(self, seq_len: int, causal: bool = False) -> int:
@@ -182,7 +188,7 @@ class Reformer(Attention):
         if self.backend == "dense":
             return seq_len * seq_len
         n_c = self.num_chunks(seq_len)
-        return self.options.n_hashes * n_c * self.options.bucket_size * self.window(seq_len)
+        return self.options.n_hashes * n_c * self.chunk_length(seq_len) * self.window(seq_len)
 
     def flops(self, B: int, H: int, N: int, D: int, causal: bool = False,
               device: torch.device | str | None = None) -> Flops:
@@ -205,8 +211,8 @@ class Reformer(Attention):
         # tiles are float32).
         o, a = self.options, max(element_size, 4)
         n_c, w = self.num_chunks(N), self.window(N)
-        padded = n_c * o.bucket_size
-        sliced = min(n_c, self.chunks_per_slice(B, H, N, device)) * B * H * o.n_hashes * o.bucket_size * w
+        padded = n_c * self.chunk_length(N)
+        sliced = min(n_c, self.chunks_per_slice(B, H, N, device)) * B * H * o.n_hashes * self.chunk_length(N) * w
         return (a * B * H * (4 * o.n_hashes * padded * D + 7 * N * D) + 8 * B * H * o.n_hashes * padded
                 + a * sliced * (3 * w + 3 * D) // w)
 
@@ -230,7 +236,7 @@ class Reformer(Attention):
 
     def _lsh(self, q: Tensor, v: Tensor, causal: bool) -> Tensor:
         B, H, N, D = q.shape
-        c, n_c = self.options.bucket_size, self.num_chunks(N)
+        c, n_c = self.chunk_length(N), self.num_chunks(N)
         acc = torch.promote_types(q.dtype, torch.float32)
         with torch.no_grad():  # the layout: which positions meet, and how often
             perm, rank = sort_rounds(self.buckets(q))  # (B, H, r, N)
