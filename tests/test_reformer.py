@@ -230,6 +230,15 @@ def test_a_bucket_far_past_n_costs_n_not_the_bucket(causal):
     assert_close(attn(q, k, v, causal=causal), attn.reference(q, k, v, causal=causal), 1e-12)
 
 
+def test_analytic_memory_counts_the_rotations():
+    """A large fixed n_buckets makes the rotations (n_hashes, H, D, n_buckets/2) the point's memory: the CPU
+    budget's skip rule reads memory_bytes, which counted none of them (1.8 MB for 1 GiB at N=64)."""
+    rotations = 4 * 2 * 4 * 64 * 2**19
+    for backend in ("lsh", "dense"):
+        attn = variants.build("reformer", n_buckets=2**20, backend=backend)
+        assert attn.memory_bytes(1, 4, 64, 64) > rotations
+
+
 def test_fidelity_is_against_the_counterpart():
     """At N > 2c the variant drops keys: its error is positive, and measured against full attention on
     k̂ with the self rule (a dense computation here), not against attention on the unused k."""

@@ -201,7 +201,7 @@ class Reformer(Attention):
                      device: torch.device | str | None = None) -> int:
         if self.backend == "dense":  # plus k̂ = q/‖q‖, and ‖q‖ and its clamp kept for the division's backward
             return (super().memory_bytes(B, H, N, D, element_size, causal, device)
-                    + element_size * B * H * N * (D + 2))
+                    + element_size * B * H * N * (D + 2) + self.hashing_bytes(B, H, N, D, element_size))
         # Fitted as an upper bound (within 1.52x) to the peaks measured on CPU over bucket sizes 8-64, 1-4
         # rounds, D 8-64, N 1000-16384, float32 and bfloat16, causal and not: the rounds' outputs in sorted
         # and original order, their weighted product and its gradient (4·r·N·D, N padded to whole chunks);
@@ -214,7 +214,17 @@ class Reformer(Attention):
         padded = n_c * self.chunk_length(N)
         sliced = min(n_c, self.chunks_per_slice(B, H, N, device)) * B * H * o.n_hashes * self.chunk_length(N) * w
         return (a * B * H * (4 * o.n_hashes * padded * D + 7 * N * D) + 8 * B * H * o.n_hashes * padded
-                + a * sliced * (3 * w + 3 * D) // w)
+                + a * sliced * (3 * w + 3 * D) // w + self.hashing_bytes(B, H, N, D, element_size))
+
+    def hashing_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4) -> int:
+        """The rotations R (n_hashes, H, D, n_buckets/2), kept in float32 and, for wider inputs, copied to
+        their dtype, and one hashing tile q·R of (B, H, rows, n_buckets/2) (``buckets``). Small at the
+        default n_buckets ∝ N/c; a large fixed n_buckets makes them the point's memory (n_buckets=2^20 at
+        N=64 held 1 GiB of rotations against 1.8 MB counted)."""
+        a, half = max(element_size, 4), self.num_buckets(N) // 2
+        rows = min(N, max(1, (N * self.chunk_length(N)) // self.num_buckets(N)))
+        copies = 4 + (a if a != 4 else 0)
+        return copies * self.options.n_hashes * H * D * half + a * B * H * rows * half
 
     def mask_bytes(self, B: int, H: int, N: int, causal: bool) -> int:
         return B * H * N * N  # the dense path's set, (B, H, N, N): it depends on q
