@@ -72,16 +72,21 @@ def jobs_logger(sweep_dir: Path) -> dict[str, str]:
     """Where the sweep's wandb jobs logged: the ``logger.group``, ``.project`` and ``.entity`` they set
     (read from their .hydra/config.yaml), each key left out where no job set it (the group is then
     ``sweep_group_name(sweep_dir)``). The report's wandb run and the dashboard go there too. ValueError
-    (one line) where the jobs set two of one: either place would leave the other's runs out, unsaid."""
+    (one line) where the jobs set two of one: either place would leave the other's runs out, unsaid.
+    Also ``mode`` where the jobs set one, online or offline (the report's run went online beside offline
+    runs where credentials existed); none where they set none, disabled, or both."""
     from omegaconf import OmegaConf
 
     found: dict[str, set[str]] = {}
     for config in sorted(Path(sweep_dir).glob("*/.hydra/config.yaml")):
         logger = OmegaConf.to_container(OmegaConf.load(config)).get("logger") or {}
         if logger.get("name", "wandb") == "wandb":
-            for key in ("group", "project", "entity"):
+            for key in ("group", "project", "entity", "mode"):
                 if logger.get(key):
                     found.setdefault(key, set()).add(str(logger[key]))
+    modes = found.pop("mode", set())
+    if len(modes) == 1 and modes <= {"online", "offline"}:
+        found["mode"] = modes
     for key, values in found.items():
         if len(values) > 1:
             raise ValueError(f"the sweep's jobs logged to several wandb {key}s ({', '.join(sorted(values))}); "

@@ -489,6 +489,12 @@ def test_the_group_of_a_sweeps_runs_is_logger_group_where_its_jobs_set_it(tmp_pa
     (tmp_path / "1" / ".hydra" / "config.yaml").write_text(json.dumps(
         {"logger": {"name": "wandb", "group": "ab", "project": "myproj", "entity": "myteam"}}))
     assert jobs_logger(tmp_path) == {"group": "ab", "project": "myproj", "entity": "myteam"}
+    # Their mode too, where they set one (online or offline): the report's run went online beside offline runs
+    for modes, want in ((("offline",), {"mode": "offline"}), (("offline", "online"), {}), (("disabled",), {})):
+        for job, mode in zip(("1", "0"), modes):
+            (tmp_path / job / ".hydra" / "config.yaml").write_text(json.dumps(
+                {"logger": {"name": "wandb", "group": "ab", "project": "myproj", "entity": "myteam", "mode": mode}}))
+        assert jobs_logger(tmp_path) == {"group": "ab", "project": "myproj", "entity": "myteam", **want}, modes
     # Jobs that logged to two projects: the report and the dashboard charted the first one's, unsaid
     (tmp_path / "0" / ".hydra" / "config.yaml").write_text(json.dumps({"logger": {"name": "wandb", "project": "pB"}}))
     with pytest.raises(ValueError, match=r"^the sweep's jobs logged to several wandb projects \(myproj, pB\); "):

@@ -511,9 +511,9 @@ def log_wandb(out: Path, sweep: Path, images: dict[str, Path], rows: Rows, table
     for key, (_, head, body) in tables.items():
         payload[f"table/{key}"] = wandb.Table(columns=head, data=[[_fmt(c) for c in row] for row in body])
     # wandb_run: `with wandb.init(...) as run`, mode from WANDB_MODE / credentials, falls back offline.
-    jobs = jobs_logger(sweep)  # where the jobs logged: their logger.group, project and entity where set
+    jobs = jobs_logger(sweep)  # where the jobs logged: their logger.group, project, entity and mode where set
     group = jobs.get("group") or sweep_group_name(sweep)
-    where = LoggerConfig(**{k: v for k, v in jobs.items() if k in ("project", "entity")})
+    where = LoggerConfig(**{k: v for k, v in jobs.items() if k in ("project", "entity", "mode")})
     with wandb_run(where, out, config={"sweep_dir": str(sweep.resolve())}, name=f"report-{group}",
                    group=group, tags=["report"]) as logger:
         logger.log(payload)  # after the steps of an earlier report into the same run
