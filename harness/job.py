@@ -19,6 +19,8 @@ benchmark (scripts/bench_gpu.py) is such a job.
   torch's compile caches keep what they compile, and the sweeps then load it.
 A step that is not a sweep (``preset`` None) is a subclass's own: its ``command``, which keeps to the
 budget itself (exit BUDGET_SPENT when it is spent) and whose ``complete`` the subclass decides.
+A script runs a job inside harness.config.ctrl_c_is_one_line, which turns a SIGTERM into the exception
+that run_step and precompile pass on to the processes they started.
 """
 
 from __future__ import annotations
