@@ -74,3 +74,47 @@ def test_a_damaged_state_is_set_aside_in_one_line_and_read_as_empty(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"harness: {tmp_path / 'state.json'} is damaged ({problem}"), err
     assert job_file(tmp_path / "state.json") is None  # gone: absent, not damaged again
+
+
+def test_a_sigterm_to_the_script_reaches_the_sweep_running_and_the_next_call_resumes(tmp_path):
+    """A script running a job inside ctrl_c_is_one_line, sent SIGTERM alone (``kill``, a scheduler's
+    cancel) mid-sweep: the sweep gets it too, records interrupted and ends; the script ends in its one
+    line, exit 143; the step is not complete; the next call measures only the points left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import ROOT
+
+    lens = "[32,40,48,56,64]"
+    script = f"""
+import sys
+from pathlib import Path
+from harness.config import ctrl_c_is_one_line
+from harness.job import Job, Step
+step = Step("a", "a:linear", "seq_len_scaling", ("variant=linear", "variant.backend=sdpa", "seq_lens={lens}"), "a/linear")
+job = Job(Path({str(tmp_path)!r}), common={(*TINY, "measure.min_run_time=0.3")!r})
+sys.exit(ctrl_c_is_one_line(lambda: job.run([step]), "my_job", "rerun to resume"))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # a signal to the script alone, as kill sends it
+    try:
+        deadline = time.monotonic() + 120
+        while (not any(p.stat().st_size for p in tmp_path.rglob("results.jsonl")) and proc.poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.2)  # the sweep has measured its first point
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "my_job: interrupted (SIGTERM); rerun to resume", err
+    (status,) = tmp_path.rglob("status.json")
+    assert json.loads(status.read_text())["state"] == "interrupted"
+    before = sorted(r["seq_len"] for r in load_rows(tmp_path / "a"))
+    assert 1 <= len(before) < 5 and Job(tmp_path).state.get("a:linear") != "complete"
+    Job(tmp_path, log=lambda _: None, common=TINY).run([linear(lens)])
+    assert sorted(r["seq_len"] for r in load_rows(tmp_path / "a")) == [32, 40, 48, 56, 64]  # each once
