@@ -77,11 +77,12 @@ def _stats(times_ms: list[float]) -> Timing:
     return Timing(float(q50), float(q75 - q25) if len(times_ms) > 1 else None, len(times_ms))
 
 
-def gpu_repeats(estimate_ms: float, opts: MeasureOptions) -> int:
+def gpu_repeats(estimate_ms: float, opts: MeasureOptions, spent_ms: float = 0.0) -> int:
     """Timed calls of a GPU pass: do_bench's ``rep / estimate`` (rep = min_run_time), but at least
-    ``min_samples``, and no more than fit in ``max_run_time`` (at least one). do_bench itself times a
+    ``min_samples``, and no more than fit in what ``max_run_time`` leaves after the ``spent_ms`` the pass
+    already took (its untimed calls: every call counts, as on CPU; at least one). do_bench itself times a
     call longer than rep / min_samples fewer times, one longer than rep once: no spread to judge."""
-    fit = max(1, int(opts.max_run_time * 1e3 / max(estimate_ms, 1e-6)))
+    fit = max(1, int((opts.max_run_time * 1e3 - spent_ms) / max(estimate_ms, 1e-6)))
     return min(max(int(opts.min_run_time * 1e3 / max(estimate_ms, 1e-6)), opts.min_samples), fit)
 
 
@@ -92,9 +93,11 @@ def cuda_time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOp
     (none past that: the untimed call and the estimate were warm-up enough); then every call between two
     CUDA events, with a 256 MiB buffer written before it so no input is served from L2. ``before`` runs
     ahead of every call, outside the events, as do_bench's ``grad_to_none`` clears the gradients: the
-    timed call is the one a raw do_bench of ``fn`` times. Per-call ms."""
+    timed call is the one a raw do_bench of ``fn`` times. The untimed calls count against ``max_run_time``
+    (``gpu_repeats``). Per-call ms."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
     before = before or (lambda: None)
+    began = time.perf_counter()
 
     def events(n: int) -> list[torch.cuda.Event]:
         return [torch.cuda.Event(enable_timing=True) for _ in range(n)]
@@ -116,10 +119,12 @@ def cuda_time_fn(fn: Callable[[], object], device: torch.device, opts: MeasureOp
     estimate = mean_ms(1)
     if 5 * estimate < opts.min_run_time * 1e3:
         estimate = mean_ms(5)
-    for _ in range(int(GPU_WARMUP_MS / max(estimate, 1e-6))):
+    warmup = int(GPU_WARMUP_MS / max(estimate, 1e-6))
+    for _ in range(warmup):
         before()
         fn()
-    starts, ends = events(n := gpu_repeats(estimate, opts)), events(n)
+    spent_ms = (time.perf_counter() - began) * 1e3 + warmup * estimate  # synchronised after the estimate
+    starts, ends = events(n := gpu_repeats(estimate, opts, spent_ms)), events(n)
     for start, end in zip(starts, ends):
         before()
         flush.zero_()

@@ -117,6 +117,39 @@ def test_gpu_repeats_give_every_call_a_spread_within_max_run_time():
     assert gpu_repeats(90_000.0, opts) == 1
 
 
+def test_cuda_timing_of_long_calls_keeps_within_max_run_time(monkeypatch):
+    """The GPU pass's untimed calls (the first, the estimate) count against max_run_time, as the CPU
+    autorange's estimate does: 0.2 s calls with 1 s allow 5 calls, not 2 untimed + 5 timed. The CUDA
+    events and synchronisation are stood in for by the host clock (the calls are host sleeps)."""
+    import time
+
+    from harness import measure
+
+    class Event:
+        def __init__(self, enable_timing: bool = True) -> None:
+            self.t = 0.0
+
+        def record(self) -> None:
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end: Event) -> float:
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(measure, "L2_FLUSH_BYTES", 16)
+    calls = []
+
+    def slow() -> None:
+        calls.append(1)
+        time.sleep(0.2)
+
+    t = measure.cuda_time_fn(slow, torch.device("cpu"), MeasureOptions(min_run_time=0.1, min_samples=5,
+                                                                       max_run_time=1.0))
+    assert len(calls) <= 5 and 1 <= t.samples < 5, (len(calls), t)
+    assert t.median_ms == pytest.approx(200, rel=0.5)
+
+
 @pytest.mark.gpu
 def test_cuda_timer_is_do_bench_with_a_spread_for_long_calls():
     """The same method as do_bench (other test processes may share the GPU, slowing any call several
