@@ -185,11 +185,12 @@ def spare_cores(device: torch.device | str, launchers: int = 1) -> int:
     launches it, from ``launchers`` threads (one per process of the point on this machine): another
     process slows that only once it leaves no core for them. On the H100's 16-core host, 1.03 and 0.45
     cores of other load flagged two FlexAttention points whose spread was 1-2% noisy, and a target's
-    fit lost them."""
+    fit lost them. The host's cores, not this process's affinity: others' load (harness.env.OtherLoad)
+    is the host's, and in a cpuset of a few cores (a SLURM job's on a GPU node) the other jobs' load on
+    the rest of the host flagged every CUDA point."""
     if torch.device(device).type != "cuda":
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(0, cores - launchers)
+    return max(0, (os.cpu_count() or 1) - launchers)
 
 
 FEW_SAMPLES = "< measure.min_samples="  # in the reason of a pass with too few samples: a slow call

@@ -204,10 +204,18 @@ def test_on_cuda_only_load_beyond_the_spare_cores_is_noise():
     one shares memory bandwidth and cache with every core: any load counts."""
     import os
 
-    cores = len(os.sched_getaffinity(0))
+    cores = os.cpu_count()
     assert spare_cores("cpu") == 0 and spare_cores(torch.device("cpu")) == 0
     assert spare_cores("cuda") == cores - 1 and spare_cores("cuda:0", launchers=3) == max(0, cores - 3)
     assert spare_cores("cuda", launchers=cores + 5) == 0
+    # The host's cores, as others' load is the host's: in a cpuset of one core (a SLURM job's on a GPU
+    # node) the other jobs' load on the rest of the host flagged every CUDA point
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mine)})
+    try:
+        assert spare_cores("cuda") == cores - 1
+    finally:
+        os.sched_setaffinity(0, mine)
     opts = MeasureOptions(passes=("fwd_bwd",))
     timed = {"fwd_bwd_ms": 10.0, "fwd_bwd_iqr_ms": 0.1, "fwd_bwd_samples": 9, "other_cpu_cores": 1.03}
     assert noise(timed, opts, spare=15) == []
