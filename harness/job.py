@@ -53,6 +53,7 @@ COMPILED = ("flex",)  # backends that compile per N (seconds to tens of seconds 
 # 12-16 s) one after another in its sweep; one compiled by an earlier process warmed up in 0.3-1.7 s.
 PRECOMPILE_PROCESSES = 6  # each holds one point's tensors: 6 at N=64K, B=16, H=8, D=64 are about 60 GB
 PRECOMPILE_SHARE = 1 / 3
+STOP_GRACE_S = 30  # for a process sent SIGTERM (a budget spent, a cancel) or SIGINT to record where it stopped
 # A point as warm-up only: the variant's prepare and one checked forward+backward, nothing timed
 WARM_UP_ONLY = {"measure.passes": "[]", "measure.memory": "false", "fidelity.enabled": "false"}
 # A sweep's keys (the preset's sweeper params and the step's overrides) that each row names, and the row's field
@@ -247,17 +248,25 @@ class Job:
 
 
 def stop(procs: list[subprocess.Popen], sig: int | None = signal.SIGTERM) -> list[int]:
-    """Ends processes as a budget or an interrupt does: ``sig`` (None: they have their own, a Ctrl-C) to
-    each still running, 30 s for them to record where they stopped, then a kill. Their exit codes."""
+    """Ends processes as a budget or an interrupt does: ``sig`` to each still running, STOP_GRACE_S for
+    them to record where they stopped, then a kill. ``sig`` None: a Ctrl-C, which a terminal sends them
+    too (one process group); one still running after STOP_GRACE_S is sent the SIGINT it missed (the
+    Ctrl-C was this process's alone, ``kill -INT``) and given STOP_GRACE_S more, as
+    harness.config.wait_through_ctrl_c does, not killed halfway through a point with its status.json
+    left ``running``. Their exit codes."""
     running = [proc for proc in procs if proc.poll() is None]
     for proc in running if sig is not None else []:
         proc.send_signal(sig)
-    deadline = time.monotonic() + 30
-    for proc in running:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    for missed in ((signal.SIGINT,) if sig is None else ()) + (None,):
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        running = [proc for proc in running if proc.poll() is None]
+        for proc in running:
+            proc.send_signal(missed) if missed is not None else proc.kill()
     return [proc.wait() for proc in procs]
 
 

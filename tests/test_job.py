@@ -118,3 +118,29 @@ sys.exit(ctrl_c_is_one_line(lambda: job.run([step]), "my_job", "rerun to resume"
     assert 1 <= len(before) < 5 and Job(tmp_path).state.get("a:linear") != "complete"
     Job(tmp_path, log=lambda _: None, common=TINY).run([linear(lens)])
     assert sorted(r["seq_len"] for r in load_rows(tmp_path / "a")) == [32, 40, 48, 56, 64]  # each once
+
+
+def test_a_ctrl_c_that_the_steps_process_missed_is_passed_on_not_a_kill(tmp_path, monkeypatch):
+    """A Ctrl-C (KeyboardInterrupt, not SIGTERM) was taken to have reached the step's process too (one
+    process group), and stop() gave it 30 s, then SIGKILL: with ``kill -INT`` to the job alone the sweep
+    measured on for 30 s and was killed mid-point, its status.json left ``running``. It is sent the
+    SIGINT it missed after the grace, and records where it stopped, as wait_through_ctrl_c's harness does."""
+    import subprocess
+    import sys
+    import time
+
+    from harness import job as harness_job
+
+    monkeypatch.setattr(harness_job, "STOP_GRACE_S", 1, raising=False)
+    ready, recorded = tmp_path / "ready", tmp_path / "interrupted"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, time\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "try:\n    time.sleep(120)\n"
+        f"except KeyboardInterrupt:\n    pathlib.Path({str(recorded)!r}).touch()\n    raise SystemExit(130)\n")])
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    began = time.monotonic()
+    assert harness_job.stop([child], None) == [130] and recorded.exists()
+    assert time.monotonic() - began < 20
