@@ -60,7 +60,10 @@ START=$(date +%s)
 left() { echo $((JOB_BUDGET_S - ($(date +%s) - START))); }
 OUTDIR=${OUT:-/tmp/gpu_job_out}
 mkdir -p "$OUTDIR"
-exec > >(tee -a "$OUTDIR/job.log") 2>&1
+# The log's tee outlives a Ctrl-C or SIGTERM to the job (it ends with the job's output): killed with
+# the job's process group, it took every later line with it, and the benchmark's writes broke off
+# ("exit 1" for the step being measured, the job's closing lines lost, exit 141).
+exec > >(trap '' INT TERM; exec tee -a "$OUTDIR/job.log") 2>&1
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 echo "== gpu_job $(date -u +%FT%TZ) on $(hostname); budget ${JOB_BUDGET_S} s"
@@ -185,7 +188,21 @@ fi
 mkdir -p "$BENCH_DIR"
 echo "== results directory: $BENCH_DIR"
 trap take_home EXIT
-trap 'echo "gpu_job: stopped by a signal"; exit 143' TERM INT
+# A SIGTERM to this script (kill, a scheduler's cancel) or a Ctrl-C: the benchmark, run in the background
+# (CHILD) and waited for, is sent SIGTERM and waited for (it records where it stopped), then the results
+# are packed. (A trap waits for a command in the foreground to end: the signal was held until the
+# benchmark had spent its whole budget, and timeout's process group never saw a Ctrl-C.)
+CHILD=
+stopped() {
+    trap '' TERM INT
+    echo "gpu_job: stopped by a signal"
+    if [ -n "$CHILD" ]; then
+        kill -TERM "$CHILD" 2>/dev/null
+        wait "$CHILD"
+    fi
+    exit 143
+}
+trap stopped TERM INT
 
 # 3. the GPU tests, resumed over calls until every one has an outcome. Each outcome is appended to
 # tests-gpu.jsonl as it is known (tests/conftest.py's --outcomes), and a later call leaves out the tests
@@ -238,8 +255,11 @@ if [ "$B" -gt 30 ]; then
     # whatever reads that output (a caller waiting for its end) waiting until it wakes.
     ( while sleep "${PACK_EVERY_S:-60}" </dev/null >/dev/null 2>&1; do pack; done ) &
     PACKER=$!
-    timeout -k 10 $((B + 60)) "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --budget-s "$B" ${BENCH_ARGS:-} \
-        || timeout -k 5 60 "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --summary-only ${BENCH_ARGS:-}
+    timeout -k 10 $((B + 60)) "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --budget-s "$B" ${BENCH_ARGS:-} &
+    CHILD=$!
+    wait "$CHILD" && rc=0 || rc=$?
+    CHILD=
+    [ "$rc" = 0 ] || timeout -k 5 60 "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --summary-only ${BENCH_ARGS:-}
     kill "$PACKER" 2>/dev/null
 else
     echo "== no time left for the benchmark in this call"

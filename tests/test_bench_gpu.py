@@ -964,3 +964,37 @@ def test_gpu_job_resumes_the_latest_open_directory_and_starts_a_new_one_after_a_
     time.sleep(1.1)  # a name to the second
     last = chosen()
     assert last not in (today, later) and sorted([today, later, last])[-1] == last
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["sigterm-to-the-script", "ctrl-c-to-its-group"])
+def test_a_signal_to_the_gpu_job_stops_the_benchmark_and_packs_what_it_measured(tmp_path, group):
+    """A SIGTERM to gpu_job.sh alone was held by bash until the benchmark in the foreground had spent its
+    whole budget (then: "stopped by a signal", "complete", exit 143); a Ctrl-C at its terminal (SIGINT to
+    its process group) killed the log's tee, and the benchmark's writes broke off: the sweep "failed",
+    state.json "exit 1", no closing lines, exit 141. Now the benchmark is sent SIGTERM, records where it
+    stopped, and the job packs and says it is incomplete."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "BENCH_DIR": str(tmp_path / "bench"), "SKIP_WHEELS": "1",
+           "SKIP_TESTS": "1", "PYTHON": sys.executable, "BENCH_ARGS": "--smoke --variants linear --steps c",
+           "WANDB_MODE": "disabled"}
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_job.sh")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, deadline = tmp_path / "out" / "job.log", time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and not (
+                log.exists() and re.search(r"^N=\d+ ok", log.read_text(), re.M)):
+            time.sleep(0.2)
+        assert proc.poll() is None, "the job ended before its first point"
+        began = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT) if group else proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = out.rstrip().splitlines()
+    assert proc.returncode == 143 and "gpu_job: stopped by a signal" in lines, out[-3000:]
+    assert lines[-1].startswith("gpu_job: incomplete (steps pending: c)"), out[-3000:]
+    assert time.monotonic() - began < 60 and "Traceback" not in out, out[-3000:]
+    assert "step c: complete" not in out and (tmp_path / "out" / "results.tar.gz").exists()
+    statuses = [json.loads(p.read_text())["state"] for p in (tmp_path / "bench" / "c").glob("*/status.json")]
+    assert "interrupted" in statuses and "failed" not in statuses, statuses
