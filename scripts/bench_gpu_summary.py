@@ -459,6 +459,14 @@ def job_file(path: Path) -> Any:
     def check(obj: Any) -> str | None:
         if path.name in ("roof.json", "overhead.json") and not isinstance(obj.get("status"), str):
             return "no status"
+        if path.name == "env.json":  # what --summary-only, --pending and other_device read of each entry
+            for e in obj:
+                if e.get("device", "cpu") not in ("cpu", "cuda") or not isinstance(e.get("device_name", ""), str):
+                    return f"an entry whose device is {e.get('device')!r} ({e.get('device_name')!r})"
+                backends = e.get("backends", {})
+                if not (isinstance(backends, dict) and all(isinstance(v, list) and all(isinstance(b, str) for b in v)
+                                                           for v in backends.values())):
+                    return "an entry whose backends are not lists of names"
         return None
     return read_job_file(path, list if path.name == "env.json" else dict, check, "bench_gpu.py")
 

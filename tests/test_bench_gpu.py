@@ -998,3 +998,18 @@ def test_a_signal_to_the_gpu_job_stops_the_benchmark_and_packs_what_it_measured(
     assert "step c: complete" not in out and (tmp_path / "out" / "results.tar.gz").exists()
     statuses = [json.loads(p.read_text())["state"] for p in (tmp_path / "bench" / "c").glob("*/status.json")]
     assert "interrupted" in statuses and "failed" not in statuses, statuses
+
+
+@pytest.mark.parametrize("entry", [{"device": "gpu"}, {"device": None}, {"device_name": 5},
+                                   {"backends": {"linear": "math"}}, {"backends": ["math"]}])
+def test_an_env_json_entry_edited_by_hand_is_set_aside_not_a_traceback(tmp_path, capsys, entry):
+    """env.json whose last entry names a device torch does not know ("gpu", null) ended --pending and
+    --summary-only in torch's RuntimeError/TypeError traceback; backends of "math" were read as the
+    backends m, a, t, h. Such a file is set aside in one line and read as absent, as a cut one is."""
+    bench, _, _ = load_bench()
+    (tmp_path / "env.json").write_text(json.dumps([{"device": "cpu", "backends": {}, **entry}]))
+    assert bench.main(["--smoke", "--pending", "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == ["roof", "c-targets", "d", "a-targets", "c", "a"]
+    assert err.count("\n") == 1 and "env.json is damaged (an entry whose" in err, err
+    assert not (tmp_path / "env.json").exists() and len(list(tmp_path.glob("env.json.damaged-*"))) == 1
