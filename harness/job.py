@@ -12,7 +12,8 @@ benchmark (scripts/bench_gpu.py) is such a job.
 - **Budget.** A sweep still running when the budget is spent gets SIGTERM (its job records interrupted),
   30 s to end, then a kill. A step left with under 20 s is not started.
 - **Isolation.** A crash (a segfault, a lost CUDA context) ends its step, not the job; a failed step is run
-  once more at once, in a new process that skips what is stored.
+  once more at once, in a new process that skips what is stored. An invocation holds the job's directory
+  (``hold``): a second one into it at once is refused.
 - **Compiling ahead.** Backends that compile per N (COMPILED: FlexAttention) compile each point's kernels
   on its warm-up, one after another in their sweep. Where a run of such sweeps begins (steps with
   ``compiled``), their pending points are first run as warm-up calls only, several processes at once:
@@ -42,7 +43,7 @@ from typing import Any, Callable
 
 import yaml
 
-from harness.results import latest, move_aside, read_jsonl, write_json
+from harness.results import DirectoryLock, latest, move_aside, read_jsonl, write_json
 from harness.signals import Terminated
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +119,16 @@ class Job:
 
     def left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def hold(self) -> DirectoryLock:
+        """The job's directory, for this invocation alone (release() the lock it returns once done): two
+        invocations into one directory at once each rewrote state.json from their own copy, and one's
+        outcomes were lost. Another live invocation holding it: harness.results.LockedError (one line).
+        Each sweep locks its own job directories as well."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        lock = DirectoryLock(self.out).acquire()
+        self.state = job_file(self.out / "state.json", check=_state_problem, prog=self.prog) or {}  # as it is now
+        return lock
 
     def finish(self, name: str, outcome: str) -> None:
         self.state[name] = outcome

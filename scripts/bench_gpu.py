@@ -64,7 +64,7 @@ from bench_gpu_summary import (COMPARED, EXPONENT_TARGETS, TABLE21, case_disturb
 from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import device_name, now  # noqa: E402
 from harness.job import COMPILED, Job, Step, with_seq_lens  # noqa: E402
-from harness.results import write_json  # noqa: E402
+from harness.results import LockedError, write_json  # noqa: E402
 
 STEPS = ("roof", "c-targets", "d", "a-targets", "c", "a")
 CHILDREN = {"roof": part_roof, "d:overhead": part_overhead, "d:public": part_public}  # steps of this script's own
@@ -312,13 +312,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.child:
         return CHILDREN[args.child](ctx)
-    if not args.summary_only:
-        record_invocation(ctx, steps)
-        ctx.log(f"bench_gpu: steps {','.join(steps)} on {device} -> {out}")
-        for group in steps:
-            ctx.run(ctx.steps(group))
-            ctx.log(f"step {group}: {'complete' if ctx.done(group) else 'not complete'}")
-    res = summarize(ctx)
+    lock = None
+    try:
+        if not args.summary_only:
+            try:
+                lock = ctx.hold()  # state.json and env.json are this invocation's to rewrite
+            except LockedError as e:
+                ap.error(str(e))
+            record_invocation(ctx, steps)
+            ctx.log(f"bench_gpu: steps {','.join(steps)} on {device} -> {out}")
+            for group in steps:
+                ctx.run(ctx.steps(group))
+                ctx.log(f"step {group}: {'complete' if ctx.done(group) else 'not complete'}")
+        res = summarize(ctx)
+    finally:
+        if lock is not None:
+            lock.release()
     for t in res["targets"]:
         ctx.log(f"target {t['target']}: {t['status']}" + (f" ({t['gap']})" if t["gap"] else ""))
     ctx.log(f"wrote {out / 'SUMMARY.md'}")

@@ -144,3 +144,25 @@ def test_a_ctrl_c_that_the_steps_process_missed_is_passed_on_not_a_kill(tmp_path
     began = time.monotonic()
     assert harness_job.stop([child], None) == [130] and recorded.exists()
     assert time.monotonic() - began < 20
+
+
+def test_a_second_invocation_into_a_job_held_is_refused_in_one_line(tmp_path, capsys):
+    """Two invocations into one directory at once each rewrote state.json (and the GPU job's env.json) from
+    their own copy: one's outcomes were lost. The second is refused in one line, exit 2, writing nothing."""
+    from harness.results import LockedError
+
+    from .conftest import load_script
+
+    lock = Job(tmp_path).hold()
+    try:
+        with pytest.raises(LockedError, match=f"^{tmp_path} is in use by another run"):
+            Job(tmp_path).hold()
+        bench = load_script("bench_gpu")
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--smoke", "--out", str(tmp_path), "--steps", "roof"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "is in use by another run" in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["harness.lock"]
+    finally:
+        lock.release()
+    Job(tmp_path).hold().release()  # free again
