@@ -285,14 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
     chosen = [v for v in args.variants.split(",") if v]
-    if set(chosen) - set(labels):
-        print(f"bench_gpu.py: unknown variant label(s) {', '.join(sorted(set(chosen) - set(labels)))}; allowed: "
-              f"{', '.join(labels)}", file=sys.stderr)
-        return 2
-    if set(steps) - set(STEPS):
-        print(f"bench_gpu.py: unknown step(s) {', '.join(sorted(set(steps) - set(STEPS)))}; allowed: "
-              f"{', '.join(STEPS)}", file=sys.stderr)
-        return 2
+    for flag, given, allowed in (("--variants", chosen, labels), ("--steps", steps, STEPS)):
+        unknown = sorted(set(given) - set(allowed))
+        if unknown or not given:  # none given ran nothing and wrote a summary of it, exit 0
+            ap.error(f"argument {flag}: {'unknown ' + ', '.join(unknown) if unknown else 'none given'}; "
+                     f"allowed: {', '.join(allowed)}")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     slug = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-") if device.type == "cuda" else "cpu"
     out = (args.out or ROOT / ("outputs/bench_gpu_smoke" if args.smoke else

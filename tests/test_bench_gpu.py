@@ -206,7 +206,13 @@ def test_a_rerun_measures_nothing_again_and_a_spent_budget_resumes(smoke, tmp_pa
     (["--summary-only", "--out", "NEW"], "--summary-only reads the results directory of an earlier run (--out DIR); "
                                          "NEW does not exist"),
     (["--smoke", "--pending", "--out", "NEW"], "--pending reads the results directory of an earlier run (--out DIR); "
-                                               "NEW does not exist")])
+                                               "NEW does not exist"),
+    (["--smoke", "--out", "NEW", "--steps=,"], "argument --steps: none given; allowed: roof, c-targets, d, a-targets, c, a"),
+    (["--smoke", "--out", "NEW", "--variants="], "argument --variants: none given; allowed: full, sliding_window, linear, "
+                                                 "blockwise-local, sparse-fixed, sparse-strided, sparse-bigbird, "
+                                                 "blockwise-exact, reformer, adaptive_span"),
+    (["--smoke", "--out", "NEW", "--steps", "a,b"], "argument --steps: unknown b; allowed: roof, c-targets, d, a-targets, "
+                                                    "c, a")])
 def test_bad_input_is_one_line_and_makes_nothing(tmp_path, args, message, capsys):
     """--out FILE was FileExistsError's traceback, and --summary-only made the directory and summarised nothing
     in it (exit 0). In this process (a process of its own each costs torch's import): the command line's
