@@ -251,7 +251,8 @@ def record_invocation(ctx: Context, steps: list[str]) -> None:
 
     entries = invocations(ctx.out)
     unavailable = {"xformers": unavailable_reason(ctx.device)} if ctx.device.type == "cuda" else {}
-    entries.append({"date": now(), "steps": ",".join(steps), "device": ctx.device.type, "python": platform.python_version(),
+    entries.append({"date": now(), "steps": ",".join(steps), "device": ctx.device.type, "smoke": ctx.plan.smoke,
+                    "python": platform.python_version(),
                     "unavailable_backends": {b: r for b, r in unavailable.items() if r is not None},
                     "backends": {label: ctx.backends(label) for label, variant, _ in VARIANTS if variant in variants.REGISTRY},
                     **envmod.collect(ctx.device).as_dict(),
@@ -261,11 +262,12 @@ def record_invocation(ctx: Context, steps: list[str]) -> None:
     write_json(ctx.out / "env.json", entries)
 
 
-def measured_on(out: Path, default: torch.device) -> tuple[torch.device, dict[str, list[str]]]:
-    """The device type the last invocation into ``out`` measured on, else ``default``, and each label's
-    backends there (env.json; none in an entry older than the field)."""
+def measured_on(out: Path, default: torch.device) -> tuple[torch.device, dict[str, list[str]], bool]:
+    """The device type the last invocation into ``out`` measured on, else ``default``, each label's
+    backends there (env.json; none in an entry older than the field), and whether it was --smoke."""
     last = (invocations(out) or [{}])[-1]
-    return torch.device(last["device"]) if "device" in last else default, last.get("backends", {})
+    return (torch.device(last["device"]) if "device" in last else default, last.get("backends", {}),
+            last.get("smoke") is True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     recorded = None
     if reader:  # judged as on the machine that measured: a GPU's results stay a GPU's elsewhere
-        device, recorded = measured_on(out, device)
+        device, recorded, smoke = measured_on(out, device)  # a smoke run's sizes too, with or without --smoke
+        args.smoke = args.smoke or smoke
     elif not args.child and (why := other_device(out, device_name(device))):
         ap.error(why)
     ctx = Context(SMOKE_PLAN if args.smoke else GPU_PLAN, out, device, args.budget_s, None, chosen, recorded)

@@ -359,9 +359,17 @@ def test_a_summary_is_judged_as_on_the_machine_that_measured(tmp_path):
     error, which part d tries once more (d_done)."""
     bench, kernels, summary = load_bench()
     cpu = torch.device("cpu")
-    assert bench.measured_on(tmp_path, cpu) == (cpu, {})  # nothing recorded: this machine
+    assert bench.measured_on(tmp_path, cpu) == (cpu, {}, False)  # nothing recorded: this machine
     (tmp_path / "env.json").write_text(json.dumps([{"device": "cpu"}, {"device": "cuda"}]))
-    assert bench.measured_on(tmp_path, cpu) == (torch.device("cuda"), {})
+    assert bench.measured_on(tmp_path, cpu) == (torch.device("cuda"), {}, False)
+    # A smoke run's directory is summarised with its own sizes, --smoke given or not (it took the GPU
+    # plan's: N=16384 targets under a heading without "SMOKE")
+    smoke = tmp_path / "smoke"
+    smoke.mkdir()
+    (smoke / "env.json").write_text(json.dumps([{"date": "d", "steps": "a", "device": "cpu", "smoke": True}]))
+    assert bench.measured_on(smoke, cpu) == (cpu, {}, True)
+    assert bench.main(["--summary-only", "--out", str(smoke), "--variants", "full"]) == 0
+    assert (smoke / "SUMMARY.md").read_text().startswith("# GPU benchmark (SMOKE: tiny sizes on CPU, not results)")
     # ... and with each label's backends as env.json recorded them there (none recorded: this machine's)
     (tmp_path / "env.json").write_text(json.dumps([{"date": "d1", "steps": "a", "device": "cuda", "backends": {"full": ["b", "a"]}},
                                                    {"date": "d2", "steps": "c", "device": "cuda",
