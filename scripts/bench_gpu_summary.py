@@ -10,6 +10,7 @@ complete ones only, never on the first ones timed) | skipped (needs CUDA, on the
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -438,16 +439,18 @@ def summarize(ctx: Context) -> dict[str, Any]:
     return res
 
 
-def repository_relative(out: Path) -> None:
+def repository_relative(out: Path, root: Path = ROOT) -> None:
     """Hydra's records (.hydra/hydra.yaml, multirun.yaml: its cwd, config path, sweep and output
     directories) and the reports' source line hold the repository's absolute path on the machine that ran
     them: written as ``.`` instead, so that the results say nothing of that machine and read the same
-    wherever they are checked out. Run once the sweeps have ended (no file is being written)."""
-    root = str(ROOT)
+    wherever they are checked out. The path whole, not a directory beside it whose name begins with it
+    (``<root>_results/...`` became ``._results/...``). Run once the sweeps have ended (no file is being
+    written)."""
+    whole = re.compile(re.escape(str(root)) + r"(?=[/\s\"'<>,:;\]}]|$)", re.M)
     for path in [*out.rglob("*.yaml"), *out.rglob("report.html")]:
         text = path.read_text()
-        if root in text:
-            atomic_write(path, text.replace(root, "."))
+        if whole.search(text):
+            atomic_write(path, whole.sub(".", text))
 
 
 # ----- command line --------------------------------------------------------------------------------
