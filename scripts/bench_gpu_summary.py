@@ -456,8 +456,8 @@ def repository_relative(out: Path, root: Path = ROOT) -> None:
 # ----- command line --------------------------------------------------------------------------------
 
 def job_file(path: Path) -> Any:
-    """One of the job's own JSON files (state.json, env.json, roof.json, d/overhead.json), None where there
-    is none: read as harness.job reads a job's files (one that does not read as its kind is moved aside,
+    """One of the benchmark's own JSON files (env.json, roof.json, d/overhead.json; state.json is the Job's),
+    None where there is none: read as harness.job reads a job's files (one that does not read as its kind is moved aside,
     said in one line, and read as absent: the step it records is done again)."""
     def check(obj: Any) -> str | None:
         if path.name in ("roof.json", "overhead.json") and not isinstance(obj.get("status"), str):
