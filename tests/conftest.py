@@ -80,7 +80,7 @@ def reported(path: Path) -> set[str]:
 # at the end. The rest keep their order after them.
 LONGEST_FIRST = ("test_bench_gpu.py", "test_sweep.py", "test_reliability.py", "test_harness.py",
                  "test_sequence_parallel.py", "test_bench_cpu.py", "test_slurm.py", "test_adaptive_span.py",
-                 "test_bench_peers.py", "test_resume.py")
+                 "test_bench_peers.py", "test_job.py", "test_resume.py")
 
 
 def pytest_collection_modifyitems(config, items):
