@@ -39,7 +39,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the project, and bench_cpu beside this script
@@ -64,7 +64,26 @@ INSTALL = 'pip install -e ".[peers]"'
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def sliding_window(N: int) -> tuple[Fn, Fn]:
+class Layout(NamedTuple):
+    """How a peer takes q, k, v and gives its output, against ours, (B, H, N, D): its inputs and dout are
+    made in its own layout once, outside the timed calls (a copy inside them is time and memory ours does
+    not spend: linformer's measured 0.93x memory was that copy), and its output is brought back to ours
+    only to check it."""
+    inputs: Callable[[torch.Tensor], torch.Tensor]  # (B, H, N, D) -> the peer's q, k, v
+    output: Callable[[torch.Tensor], torch.Tensor]  # (B, H, N, D) -> the peer's output (dout)
+    back: Callable[[torch.Tensor], torch.Tensor]  # the peer's output -> (B, H, N, D)
+
+
+def same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+OURS = Layout(same, same, same)
+MERGED = Layout(*[lambda t: t.transpose(1, 2).flatten(2)] * 2,  # (B, N, H·D)
+                lambda t: t.unflatten(2, (H, D)).transpose(1, 2))
+
+
+def sliding_window(N: int) -> tuple[Fn, Fn, Layout]:
     from local_attention import LocalAttention
 
     peer = LocalAttention(window_size=256, causal=False, look_backward=1, look_forward=1, exact_windowsize=True,
@@ -72,7 +91,7 @@ def sliding_window(N: int) -> tuple[Fn, Fn]:
     # autopad pads k and v with zeros it does not mask: without a key mask the last window's queries
     # attend to them where N is not a multiple of 256 (another function). Built once, as the SDPA masks.
     keys = torch.ones(B, N, dtype=torch.bool) if N % 256 else None
-    return variants.build("sliding_window", window=256), lambda q, k, v: peer(q, k, v, mask=keys)
+    return variants.build("sliding_window", window=256), lambda q, k, v: peer(q, k, v, mask=keys), OURS
 
 
 class Given(torch.nn.Module):
@@ -86,7 +105,7 @@ class Given(torch.nn.Module):
         return self.value
 
 
-def longformer(N: int) -> tuple[Fn, Fn]:
+def longformer(N: int) -> tuple[Fn, Fn, Layout]:
     from transformers import LongformerConfig
     from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
@@ -96,30 +115,32 @@ def longformer(N: int) -> tuple[Fn, Fn]:
     peer = LongformerSelfAttention(config, layer_id=0).eval()
     peer.query, peer.key, peer.value = Given(), Given(), Given()  # q, k, v given, not projected
     local = torch.zeros(B, N)  # Longformer's mask: 0 = local attention for every position, no global
+    hidden = torch.empty(B, N, H * D)  # read by nothing but its shape: the projections are given
 
-    def peer_fn(q, k, v):  # (B, H, N, D) -> the layer's (N, B, H·D), and its (B, N, H·D) output back
-        for proj, t in ((peer.query, q), (peer.key, k), (peer.value, v)):
-            proj.value = t.permute(2, 0, 1, 3).flatten(2)
-        out = peer(torch.empty(B, N, H * D), attention_mask=local, is_index_masked=local < 0,
-                   is_index_global_attn=local > 0, is_global_attn=False)[0]
-        return out.unflatten(2, (H, D)).transpose(1, 2)
+    def peer_fn(q, k, v):  # the layer's (N, B, H·D) -> its (B, N, H·D)
+        # It divides its query in place: a tensor of its own, as its query projection would give it (the
+        # one copy in its timed calls; k and v are given as they are)
+        peer.query.value, peer.key.value, peer.value.value = q.clone(), k, v
+        return peer(hidden, attention_mask=local, is_index_masked=local < 0, is_index_global_attn=local > 0,
+                    is_global_attn=False)[0]
 
-    return variants.build("sliding_window", window=256), peer_fn
+    layout = Layout(lambda t: t.permute(2, 0, 1, 3).flatten(2), MERGED.output, MERGED.back)
+    return variants.build("sliding_window", window=256), peer_fn, layout
 
 
-def sdpa_masked(name: str, **options) -> Callable[[int], tuple[Fn, Fn]]:
-    def make(N: int) -> tuple[Fn, Fn]:
+def sdpa_masked(name: str, **options) -> Callable[[int], tuple[Fn, Fn, Layout]]:
+    def make(N: int) -> tuple[Fn, Fn, Layout]:
         ours = variants.build(name, **options)
         mask = ours.mask(N)  # (N, N) bool, built once outside the timed calls, as a user would
-        return ours, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return ours, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), OURS
     return make
 
 
-def blockwise_exact(N: int) -> tuple[Fn, Fn]:
-    return variants.build("blockwise", mode="exact", block_size=128), F.scaled_dot_product_attention
+def blockwise_exact(N: int) -> tuple[Fn, Fn, Layout]:
+    return variants.build("blockwise", mode="exact", block_size=128), F.scaled_dot_product_attention, OURS
 
 
-def linear(N: int) -> tuple[Fn, Fn]:
+def linear(N: int) -> tuple[Fn, Fn, Layout]:
     from linformer import LinformerSelfAttention
 
     ours = variants.build("linear", proj_dim=256, max_seq_len=N)
@@ -131,14 +152,13 @@ def linear(N: int) -> tuple[Fn, Fn]:
     for p in (*ours.parameters(), *peer.parameters()):
         p.requires_grad_(False)  # fixed projections on both sides: the attention's own cost
 
-    def peer_fn(q, k, v):  # (B, H, N, D) -> linformer's (B, N, H·D), values = keys
-        x, ctx = (t.transpose(1, 2).flatten(2) for t in (q, k))
-        return peer(x, context=ctx).unflatten(2, (H, D)).transpose(1, 2)
+    def peer_fn(x, ctx, _):  # linformer's (B, N, H·D), values = keys
+        return peer(x, context=ctx)
 
-    return (lambda q, k, v: ours(q, k, k)), peer_fn
+    return (lambda q, k, v: ours(q, k, k)), peer_fn, MERGED
 
 
-PAIRS: dict[str, tuple[Callable[[int], tuple[Fn, Fn]], str | None, str]] = {
+PAIRS: dict[str, tuple[Callable[[int], tuple[Fn, Fn, Layout]], str | None, str]] = {
     # name: (builder, module the peer needs or None, peer label)
     "sliding_window": (sliding_window, "local_attention", "local-attention"),
     "longformer": (longformer, "transformers", "HF Longformer"),
@@ -173,10 +193,10 @@ def measure(fn: Fn, q, k, v, dout, opts: MeasureOptions) -> dict:
             "peak_mem_bytes": peak, "other_cpu_cores": load.stop()}
 
 
-def check_equal(ours: Fn, peer: Fn, q, k, v) -> float:
+def check_equal(ours: Fn, peer: Fn, layout: Layout, q, k, v, peer_inputs) -> float:
     """Largest |ours − peer| over the output's largest magnitude; raises when above 1e-4."""
     with torch.no_grad():
-        a, b = ours(q, k, v), peer(q, k, v)
+        a, b = ours(q, k, v), layout.back(peer(*peer_inputs))
     err = float((a - b).abs().max() / b.abs().max())
     if not err <= 1e-4:
         raise SystemExit(f"bench_peers: outputs differ ({err:.2e} of the output's scale); nothing timed")
@@ -189,19 +209,22 @@ def run_pair(pair: str, N: int, opts: MeasureOptions, rounds: int, max_other: fl
     ratio, and every round's ratio is kept. A host's other guests are invisible from inside it: only
     the rounds' agreement shows that the machine did not change speed under a measurement."""
     make, _, label = PAIRS[pair]
-    ours, peer = make(N)
+    ours, peer, layout = make(N)
     gen = torch.Generator().manual_seed(N)
     q, k, v, dout = (torch.randn(B, H, N, D, generator=gen) for _ in range(4))
-    for t in (q, k, v):
+    # the same values in the peer's own layout, made here: no copy in its timed calls that ours does not make
+    peer_inputs = [layout.inputs(t).contiguous() for t in (q, k, v)]
+    peer_dout = layout.output(dout).contiguous()
+    for t in (q, k, v, *peer_inputs):
         t.requires_grad_()
-    err = check_equal(ours, peer, q, k, v)
+    err = check_equal(ours, peer, layout, q, k, v, peer_inputs)
     measured = []
     for r in range(rounds):
         if r % 2 == 0:
             o = measure(ours, q, k, v, dout, opts)
-            p = measure(peer, q, k, v, dout, opts)
+            p = measure(peer, *peer_inputs, peer_dout, opts)
         else:
-            p = measure(peer, q, k, v, dout, opts)
+            p = measure(peer, *peer_inputs, peer_dout, opts)
             o = measure(ours, q, k, v, dout, opts)
         measured.append((o["fwd_bwd_ms"] / p["fwd_bwd_ms"], o, p))
     ratios = [m[0] for m in measured]
