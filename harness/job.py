@@ -115,7 +115,11 @@ class Job:
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
         began = time.monotonic()
         self.log = log or (lambda message: print(f"[{time.monotonic() - began:4.0f} s] {message}", flush=True))
-        self.state = job_file(out / "state.json", check=_state_problem, prog=self.prog) or {}
+        self.state = self.read_state()
+
+    def read_state(self) -> dict[str, str]:
+        """state.json: each step's outcome (none where there is none, or it was damaged and set aside)."""
+        return job_file(self.out / "state.json", check=_state_problem, prog=self.prog) or {}
 
     def left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
@@ -127,7 +131,7 @@ class Job:
         Each sweep locks its own job directories as well."""
         self.out.mkdir(parents=True, exist_ok=True)
         lock = DirectoryLock(self.out).acquire()
-        self.state = job_file(self.out / "state.json", check=_state_problem, prog=self.prog) or {}  # as it is now
+        self.state = self.read_state()  # as it is now
         return lock
 
     def finish(self, name: str, outcome: str) -> None:
@@ -167,7 +171,7 @@ class Job:
         """Runs a step in a process of its own: this process holds none of its memory, and a crash ends
         that step, not the job. A sweep still running when the budget is spent gets SIGTERM (its job
         records interrupted; a rerun resumes it); a step that is not a sweep keeps to the budget itself."""
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = harness_env()
         for attempt in (1, 2):
             if self.left() < 20:
                 return self.log(f"[{step.name}] not started: the budget is spent (run again to continue)")
@@ -211,8 +215,7 @@ class Job:
         began, deadline = time.monotonic(), time.monotonic() + limit
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         width = min(PRECOMPILE_PROCESSES, len(chunks))
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, cores // width))}  # not in the caches' keys
+        env = harness_env(TORCHINDUCTOR_COMPILE_THREADS=str(max(1, cores // width)))  # not in the caches' keys
         self.log(f"[precompile] {points} points of {', '.join(s.name for s in steps)} in {len(chunks)} processes, "
                  f"{width} at once, warm-up calls only, within {limit:.0f} s")
         scratch = Path(tempfile.mkdtemp(prefix="precompile-"))
@@ -256,6 +259,11 @@ class Job:
                 self.log(f"[precompile] {step.name} N={','.join(map(str, lens))}: {outcome}")
         self.log(f"[precompile] {outcomes.count(None)} of {len(chunks)} processes compiled theirs in "
                  f"{time.monotonic() - began:.0f} s")
+
+
+def harness_env(**extra: str) -> dict[str, str]:
+    """The environment of a step's process: this one's, the project first on PYTHONPATH, and ``extra``."""
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra}
 
 
 def stop(procs: list[subprocess.Popen], sig: int | None = signal.SIGTERM) -> list[int]:

@@ -128,13 +128,16 @@ class Reformer(Attention):
         """(B, H, r, N) bucket of every position in every round, hashed in at least float32."""
         B, H, N, D = q.shape
         nb = self.num_buckets(N)
-        rows = max(1, (N * self.chunk_length(N)) // nb)  # temporaries of about N·c elements
         heads, total = self.heads(H)  # R_{t,h} of these heads: the same draw on a head shard (ulysses)
         q = q.to(torch.promote_types(q.dtype, torch.float32))
         key = (total, D, nb, heads.start, heads.stop, str(q.device), q.dtype)
         if key not in self._rotations_on:
             self._rotations_on[key] = self.rotations(total, D, nb)[:, heads].to(device=q.device, dtype=q.dtype)
-        return hash_buckets(q, self._rotations_on[key], rows)
+        return hash_buckets(q, self._rotations_on[key], self.hash_rows(N))
+
+    def hash_rows(self, seq_len: int) -> int:
+        """Positions hashed at a time: temporaries of about N·c elements (N at most: all at once)."""
+        return min(seq_len, max(1, seq_len * self.chunk_length(seq_len) // self.num_buckets(seq_len)))
 
     def chunk_length(self, seq_len: int) -> int:
         """c as computed: ``bucket_size``, or N when it is longer. A chunk of c ≥ N positions holds the whole
@@ -222,9 +225,8 @@ class Reformer(Attention):
         default n_buckets ∝ N/c; a large fixed n_buckets makes them the point's memory (n_buckets=2^20 at
         N=64 held 1 GiB of rotations against 1.8 MB counted)."""
         a, half = max(element_size, 4), self.num_buckets(N) // 2
-        rows = min(N, max(1, (N * self.chunk_length(N)) // self.num_buckets(N)))
         copies = 4 + (a if a != 4 else 0)
-        return copies * self.options.n_hashes * H * D * half + a * B * H * rows * half
+        return copies * self.options.n_hashes * H * D * half + a * B * H * self.hash_rows(N) * half
 
     def mask_bytes(self, B: int, H: int, N: int, causal: bool) -> int:
         return B * H * N * N  # the dense path's set, (B, H, N, N): it depends on q
