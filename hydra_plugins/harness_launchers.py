@@ -23,6 +23,7 @@ imports nothing of the harness until a job has ended (Hydra imports every plugin
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -59,7 +60,7 @@ def ended_unfinished(hydra_context, config: DictConfig, overrides: list[str], nu
     it never started), and one line on stderr. The job counts in the sweep's summary, and a rerun resumes
     it. ``said=False``: the line only for such a job (one whose run ended as its status.json says, a
     completed one say, is said by the summary)."""
-    from harness.results import MULTIRUN_ENV, JobStatus, earlier_jobs, job_state
+    from harness.results import MULTIRUN_ENV, JobStatus, earlier_jobs, job_state, write_json
 
     sweep_cfg = hydra_context.config_loader.load_sweep_config(config, overrides)
     job_dir = Path(str(sweep_cfg.hydra.sweep.dir)) / str(sweep_cfg.hydra.sweep.subdir)
@@ -69,8 +70,13 @@ def ended_unfinished(hydra_context, config: DictConfig, overrides: list[str], nu
     # ended by now, so this job's status may be written, the others' states kept in it (JobStatus).
     unnamed = (info.get("multirun") is not None and info.get("multirun") == os.environ.get(MULTIRUN_ENV)
                and info.get("job") != num and str(num) not in earlier_jobs(info))
-    unsaid = info.get("state") in ("gone", "no status") or unnamed  # the run could not say so itself
-    if unsaid:
+    # Or its status, said running, was kept as "gone" in the status of a job the launcher said first
+    kept_gone = earlier_jobs(info).get(str(num)) == "gone" and info.get("job") != num
+    unsaid = info.get("state") in ("gone", "no status") or unnamed or kept_gone  # the run could not say so
+    if kept_gone:  # as written (job_state's info says "gone" for a status said running, killed too)
+        written = json.loads((job_dir / "status.json").read_text())
+        write_json(job_dir / "status.json", {**written, "jobs": {**written["jobs"], str(num): "failed"}})
+    elif unsaid:
         status = JobStatus(job_dir, info.get("points_total"), job=num)
         if not unnamed:  # its counts kept (the others' states are in its own "jobs", made by JobStatus)
             status.info.update({k: v for k, v in info.items() if k in status.info and k not in ("error", "job", "jobs")})
