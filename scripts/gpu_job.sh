@@ -188,16 +188,17 @@ fi
 mkdir -p "$BENCH_DIR"
 echo "== results directory: $BENCH_DIR"
 trap take_home EXIT
-# A SIGTERM to this script (kill, a scheduler's cancel) or a Ctrl-C: the benchmark, run in the background
-# (CHILD) and waited for, is sent SIGTERM and waited for (it records where it stopped), then the results
-# are packed. (A trap waits for a command in the foreground to end: the signal was held until the
-# benchmark had spent its whole budget, and timeout's process group never saw a Ctrl-C.)
+# A SIGTERM to this script (kill, a scheduler's cancel) or a Ctrl-C: the GPU tests or the benchmark, run in
+# the background (CHILD) and waited for, are sent CHILD_SIGNAL (the tests SIGINT, as at their limit; the
+# benchmark SIGTERM: it records where it stopped) and waited for, then the results are packed. (A trap
+# waits for a command in the foreground to end: the signal was held until the tests' limit or the
+# benchmark's whole budget was spent, and timeout's process group never saw a Ctrl-C.)
 CHILD=
 stopped() {
     trap '' TERM INT
     echo "gpu_job: stopped by a signal"
     if [ -n "$CHILD" ]; then
-        kill -TERM "$CHILD" 2>/dev/null
+        kill -"$CHILD_SIGNAL" "$CHILD" 2>/dev/null
         wait "$CHILD"
     fi
     exit 143
@@ -233,8 +234,10 @@ if [ "${SKIP_TESTS:-0}" != 1 ] && [ ! -f "$BENCH_DIR/tests-gpu.rc" ]; then
         echo "== gpu_job $(date -u +%FT%TZ): pytest -m gpu ${XDIST[*]}, limit ${T} s" >> "$BENCH_DIR/tests-gpu.log"
         TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2} timeout -s INT -k 30 "$T" \
             "$PY" -m pytest -q -m gpu "${XDIST[@]}" -rfEs --durations=15 -p no:cacheprovider --outcomes "$OUTCOMES" \
-            2>&1 | tee -a "$BENCH_DIR/tests-gpu.log"
-        rc=${PIPESTATUS[0]}
+            > >(trap '' INT TERM; exec tee -a "$BENCH_DIR/tests-gpu.log") 2>&1 &
+        CHILD=$! CHILD_SIGNAL=INT
+        wait "$CHILD" && rc=0 || rc=$?
+        CHILD=
         # Every test left ran (0: passed or skipped, 1: some failed, 5: none was left): done. Stopped at the
         # limit (124) or anything else (a collection error): the next call goes on.
         case "$rc" in 0|1|5) echo "$rc" > "$BENCH_DIR/tests-gpu.rc" ;; esac
@@ -256,7 +259,7 @@ if [ "$B" -gt 30 ]; then
     ( while sleep "${PACK_EVERY_S:-60}" </dev/null >/dev/null 2>&1; do pack; done ) &
     PACKER=$!
     timeout -k 10 $((B + 60)) "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --budget-s "$B" ${BENCH_ARGS:-} &
-    CHILD=$!
+    CHILD=$! CHILD_SIGNAL=TERM
     wait "$CHILD" && rc=0 || rc=$?
     CHILD=
     [ "$rc" = 0 ] || timeout -k 5 60 "$PY" scripts/bench_gpu.py --out "$BENCH_DIR" --summary-only ${BENCH_ARGS:-}

@@ -1014,6 +1014,37 @@ def test_a_signal_to_the_gpu_job_stops_the_benchmark_and_packs_what_it_measured(
     assert "interrupted" in statuses and "failed" not in statuses, statuses
 
 
+def test_a_sigterm_during_the_gpu_tests_stops_them_and_packs(tmp_path):
+    """A SIGTERM to gpu_job.sh while its GPU tests ran was held by bash until pytest, in the foreground,
+    ended or reached its limit (up to 300 s). Now pytest is sent the SIGINT of its limit at once: the job
+    packs, says the tests are pending, exit 143. (A plugin holds pytest at its start, as a long run would.)"""
+    (tmp_path / "slow_start.py").write_text("import time\n\ndef pytest_sessionstart(session):\n    time.sleep(300)\n")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "BENCH_DIR": str(tmp_path / "bench"), "SKIP_WHEELS": "1",
+           "SKIP_TESTS": "0", "PYTHON": sys.executable, "BENCH_ARGS": "--smoke --variants linear --steps c",
+           "WANDB_MODE": "disabled", "PYTEST_ADDOPTS": "-p slow_start",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_job.sh")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, deadline = tmp_path / "bench" / "tests-gpu.log", time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline and not (log.exists() and log.read_text()):
+            time.sleep(0.2)
+        time.sleep(2)  # pytest started
+        assert proc.poll() is None, "the job ended before its tests"
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = out.rstrip().splitlines()
+    assert proc.returncode == 143 and "gpu_job: stopped by a signal" in lines, out[-3000:]
+    assert lines[-1].startswith("gpu_job: incomplete (steps pending: GPU tests"), out[-3000:]
+    assert time.monotonic() - began < 60 and "== python scripts/bench_gpu.py" not in out, out[-3000:]
+    assert not (tmp_path / "bench" / "tests-gpu.rc").exists() and (tmp_path / "out" / "results.tar.gz").exists()
+
+
 @pytest.mark.parametrize("entry", [{"device": "gpu"}, {"device": None}, {"device_name": 5},
                                    {"backends": {"linear": "math"}}, {"backends": ["math"]}])
 def test_an_env_json_entry_edited_by_hand_is_set_aside_not_a_traceback(tmp_path, capsys, entry):
