@@ -980,6 +980,37 @@ def test_gpu_job_resumes_the_latest_open_directory_and_starts_a_new_one_after_a_
     assert last not in (today, later) and sorted([today, later, last])[-1] == last
 
 
+def signalled_job(tmp_path, env: dict[str, str], ready, send) -> str:
+    """gpu_job.sh (--smoke, linear, step c) sent a signal by ``send(proc)`` once ``ready()``: it must end
+    within 60 s, stopped, exit 143, without a traceback. Its output."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "BENCH_DIR": str(tmp_path / "bench"), "SKIP_WHEELS": "1",
+           "PYTHON": sys.executable, "BENCH_ARGS": "--smoke --variants linear --steps c", "WANDB_MODE": "disabled",
+           **env}
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_job.sh")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if ready():
+                    break
+            except FileNotFoundError:
+                pass
+            time.sleep(0.2)
+        assert proc.poll() is None, "the job ended before the signal"
+        began = time.monotonic()
+        send(proc)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143 and "gpu_job: stopped by a signal" in out.splitlines(), out[-3000:]
+    assert time.monotonic() - began < 60 and "Traceback" not in out, out[-3000:]
+    assert (tmp_path / "out" / "results.tar.gz").exists()
+    return out
+
+
 @pytest.mark.parametrize("group", [False, True], ids=["sigterm-to-the-script", "ctrl-c-to-its-group"])
 def test_a_signal_to_the_gpu_job_stops_the_benchmark_and_packs_what_it_measured(tmp_path, group):
     """A SIGTERM to gpu_job.sh alone was held by bash until the benchmark in the foreground had spent its
@@ -987,29 +1018,11 @@ def test_a_signal_to_the_gpu_job_stops_the_benchmark_and_packs_what_it_measured(
     its process group) killed the log's tee, and the benchmark's writes broke off: the sweep "failed",
     state.json "exit 1", no closing lines, exit 141. Now the benchmark is sent SIGTERM, records where it
     stopped, and the job packs and says it is incomplete."""
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "BENCH_DIR": str(tmp_path / "bench"), "SKIP_WHEELS": "1",
-           "SKIP_TESTS": "1", "PYTHON": sys.executable, "BENCH_ARGS": "--smoke --variants linear --steps c",
-           "WANDB_MODE": "disabled"}
-    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_job.sh")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, deadline = tmp_path / "out" / "job.log", time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline and not (
-                log.exists() and re.search(r"^N=\d+ ok", log.read_text(), re.M)):
-            time.sleep(0.2)
-        assert proc.poll() is None, "the job ended before its first point"
-        began = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT) if group else proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    lines = out.rstrip().splitlines()
-    assert proc.returncode == 143 and "gpu_job: stopped by a signal" in lines, out[-3000:]
-    assert lines[-1].startswith("gpu_job: incomplete (steps pending: c)"), out[-3000:]
-    assert time.monotonic() - began < 60 and "Traceback" not in out, out[-3000:]
-    assert "step c: complete" not in out and (tmp_path / "out" / "results.tar.gz").exists()
+    log = tmp_path / "out" / "job.log"
+    out = signalled_job(tmp_path, {"SKIP_TESTS": "1"}, lambda: re.search(r"^N=\d+ ok", log.read_text(), re.M),
+                        lambda proc: os.killpg(proc.pid, signal.SIGINT) if group else proc.send_signal(signal.SIGTERM))
+    assert out.rstrip().splitlines()[-1].startswith("gpu_job: incomplete (steps pending: c)"), out[-3000:]
+    assert "step c: complete" not in out
     statuses = [json.loads(p.read_text())["state"] for p in (tmp_path / "bench" / "c").glob("*/status.json")]
     assert "interrupted" in statuses and "failed" not in statuses, statuses
 
@@ -1019,30 +1032,17 @@ def test_a_sigterm_during_the_gpu_tests_stops_them_and_packs(tmp_path):
     ended or reached its limit (up to 300 s). Now pytest is sent the SIGINT of its limit at once: the job
     packs, says the tests are pending, exit 143. (A plugin holds pytest at its start, as a long run would.)"""
     (tmp_path / "slow_start.py").write_text("import time\n\ndef pytest_sessionstart(session):\n    time.sleep(300)\n")
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "BENCH_DIR": str(tmp_path / "bench"), "SKIP_WHEELS": "1",
-           "SKIP_TESTS": "0", "PYTHON": sys.executable, "BENCH_ARGS": "--smoke --variants linear --steps c",
-           "WANDB_MODE": "disabled", "PYTEST_ADDOPTS": "-p slow_start",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_job.sh")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, deadline = tmp_path / "bench" / "tests-gpu.log", time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline and not (log.exists() and log.read_text()):
-            time.sleep(0.2)
-        time.sleep(2)  # pytest started
-        assert proc.poll() is None, "the job ended before its tests"
-        began = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    lines = out.rstrip().splitlines()
-    assert proc.returncode == 143 and "gpu_job: stopped by a signal" in lines, out[-3000:]
-    assert lines[-1].startswith("gpu_job: incomplete (steps pending: GPU tests"), out[-3000:]
-    assert time.monotonic() - began < 60 and "== python scripts/bench_gpu.py" not in out, out[-3000:]
-    assert not (tmp_path / "bench" / "tests-gpu.rc").exists() and (tmp_path / "out" / "results.tar.gz").exists()
+
+    def started() -> bool:  # the job has said it runs the tests (tests-gpu.log); 2 s later pytest has begun
+        if not (tmp_path / "bench" / "tests-gpu.log").read_text():
+            return False
+        time.sleep(2)
+        return True
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    out = signalled_job(tmp_path, {"SKIP_TESTS": "0", "PYTEST_ADDOPTS": "-p slow_start", "PYTHONPATH": path},
+                        started, lambda proc: proc.send_signal(signal.SIGTERM))
+    assert out.rstrip().splitlines()[-1].startswith("gpu_job: incomplete (steps pending: GPU tests"), out[-3000:]
+    assert "== python scripts/bench_gpu.py" not in out and not (tmp_path / "bench" / "tests-gpu.rc").exists()
 
 
 @pytest.mark.parametrize("entry", [{"device": "gpu"}, {"device": None}, {"device_name": 5},
