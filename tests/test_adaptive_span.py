@@ -199,7 +199,7 @@ def test_executed_band_is_the_reach_of_the_largest_span():
     with torch.no_grad():
         attn.z.fill_(1000.0)  # clamped to S; a reach past N is cut at N − 1
     assert attn.reach() == S + R - 1
-    assert attn.band_shape(30, False) == (1, 30, 30)  # the band covers the sequence: one N × N chunk
+    assert attn.band_shape(30, False) == (1, 30, 30)  # the band covers the sequence: one chunk of N ≤ 64 rows against the N keys
 
 
 def test_reach_is_read_from_z_once_until_z_changes(monkeypatch):
@@ -373,3 +373,43 @@ def test_spans_are_logged_to_wandb_against_the_step(tmp_path):
             assert [s for s, _ in curve] == [2, 4], key
             assert 0 <= curve[1][1] < curve[0][1] < 64, curve  # the penalty shrinks spans that see every key
     assert any("task/N48/span_penalty" in row for row in history)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_a_band_as_wide_as_the_sequence_is_tiled_too(causal):
+    """A band that covers the sequence (N ≤ c + reach on each side, e.g. the default max_span=1024 at N=2048)
+    is still computed a group of query chunks at a time: its peak is O(N·D) plus one tile, as at a longer N,
+    never the B·H·N×N scores, probabilities and log-mask of one N-row chunk. Before, N=2048 measured 9x
+    the peak of N=4096 (B=1, H=2, D=32), so a memory budget that skipped N=2048 also skipped (stop_on_oom)
+    every longer N that fit."""
+    # causal: max_span=2048, so that the band (64 + reach keys, no key ahead) covers N=2048 too
+    attn = variants.build("adaptive_span", max_span=2048 if causal else 1024, ramp=32, num_heads=2)
+    B, H, D = 1, 2, 32
+    short, long = 2048, 4096  # the band covers the shorter
+    peaks = {}
+    for N in (short, long):
+        q, k, v = qkv(B, H, N, D, dtype=torch.float32, seed=N)
+        dout = torch.randn(B, H, N, D)
+        step = lambda: attn(q, k, v, causal).backward(dout)  # noqa: E731
+        step()
+        q.grad = k.grad = v.grad = None
+        peaks[N] = cpu_peak_bytes(step)
+        assert peaks[N] <= attn.memory_bytes(B, H, N, D, 4, causal), (N, peaks[N])
+    assert peaks[short] < B * H * short * short * 4, peaks  # less than one float32 N×N score matrix
+    assert peaks[short] <= peaks[long], peaks  # the longer sequence needs at least as much
+    assert attn.band(short, causal).whole and not attn.band(long, causal).whole
+
+
+def test_a_band_as_wide_as_the_sequence_matches_the_reference():
+    """The whole-key chunks (the band covers the sequence) against the float64 reference, N not a multiple
+    of the chunk (padded query rows), a head (z = 0) whose ramp leaves a padded row no key with m > 0."""
+    attn, N = build([60.0, 5.0, 0.0], max_span=64), 130  # reach 67: 64 + 67 ≥ N, each side or causal
+    for causal in (False, True):
+        assert attn.band(N, causal).whole and attn.band_shape(N, causal) == (3, 64, N)
+        q, k, v = qkv(1, 3, N, 16, dtype=torch.float64, seed=N)
+        out = attn(q, k, v, causal=causal)
+        ref = attn.reference(q, k, v, causal=causal)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+        for g, r in zip(grads(out, (q, k, v, attn.z)), grads(ref, (q, k, v, attn.z))):
+            assert torch.isfinite(g).all()
+            torch.testing.assert_close(g, r, rtol=1e-8, atol=1e-8)

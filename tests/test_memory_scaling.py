@@ -102,7 +102,7 @@ BOUND_CASES = [("blockwise", {"block_size": 128}), ("blockwise", {"mode": "local
                ("reformer", {"bucket_size": 32, "backend": "dense"}),
                ("adaptive_span", {"max_span": 256, "num_heads": 4, "backend": "dense"}),
                ("adaptive_span", {"max_span": 256, "num_heads": 4}),  # band: chunks of 64 rows
-               ("adaptive_span", {"max_span": 1024, "num_heads": 4})]  # band wider than N: one N × N chunk
+               ("adaptive_span", {"max_span": 1024, "num_heads": 4})]  # band as wide as N: chunks against the N keys
 
 
 @pytest.mark.parametrize("name,options", BOUND_CASES, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.values())))

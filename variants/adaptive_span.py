@@ -83,13 +83,14 @@ def span_bias(i: Tensor, j: Tensor, z: Tensor, ramp: int, causal: bool) -> Tenso
     return bias.masked_fill(~causal_allowed(i, j), float("-inf")) if causal else bias
 
 
-def band_tile(seq_len: int, reach: int, causal: bool, chunk: int | None = None) -> tuple[int, int, int]:
-    """(chunk rows c, keys left and right of the chunk) of the band tile: c = 64 rows, ``reach`` keys
+def band_tile(seq_len: int, reach: int, causal: bool, chunk: int | None = None) -> tuple[int, int, int, bool]:
+    """(chunk rows c, keys left and right of the chunk, whole) of the band tile: c = 64 rows, ``reach`` keys
     back and (non-causal) ahead. When a tile row would be at least as wide as the sequence (short
-    sequences or long spans), one chunk of all N rows against the N keys holds the whole band with no
-    padding: a tile of N·N ≤ N·(c + left + right)."""
+    sequences or long spans), ``whole``: each chunk of c rows is computed against the N keys themselves,
+    unpadded (left = right = 0, a tile row of N ≤ c + left + right keys), still a group of chunks at a
+    time, so that no tile holds the N × N scores of every row at once."""
     c, left, right = min(chunk or CHUNK, seq_len), reach, 0 if causal else reach  # causal: no key after i
-    return (seq_len, 0, 0) if c + left + right >= seq_len else (c, left, right)
+    return (c, 0, 0, True) if c + left + right >= seq_len else (c, left, right, False)
 
 
 def band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: int, reach: int, causal: bool,
@@ -118,7 +119,7 @@ class BandAttention(torch.autograd.Function):
         band = Band(N, reach, causal, chunk, q.device)
         acc = torch.promote_types(q.dtype, torch.float32)  # half inputs are computed in float32
         qc, kw, vw = band.views(q, k, v, scale, acc)
-        bias = band.bias(z, ramp, acc)  # (H, c, L)
+        bias = band.bias(z, ramp, acc)  # (H, c, L), or each group's (whole)
         out = torch.empty(B, H, band.nc, band.c, D, dtype=acc, device=q.device)
         lse = torch.empty(B, H, band.nc, band.c, 1, dtype=acc, device=q.device)  # each row's log-sum-exp
         for t0, t1 in band.groups(B * H):
@@ -127,7 +128,7 @@ class BandAttention(torch.autograd.Function):
             p = s.sub_(m).exp_()  # in place: no second tile
             l = p.sum(dim=-1, keepdim=True)
             lse[:, :, t0:t1] = m + l.log()
-            out[:, :, t0:t1] = (p @ vw[:, :, t0:t1]).div_(l)  # (B, H, g, c, D)
+            out[:, :, t0:t1] = band.mul(p, vw, t0, t1).div_(l)  # (B, H, g, c, D)
             del s, p  # before the next group's tiles are made
         ctx.save_for_backward(q, k, v, z, out, lse)  # out in float32: Δ below is read from it
         ctx.args = ramp, reach, causal, scale, chunk
@@ -142,7 +143,7 @@ class BandAttention(torch.autograd.Function):
         nc, c = band.nc, band.c
         qc, kw, vw = band.views(q, k, v, scale, acc)
         bias = band.bias(z, ramp, acc)
-        dz_factor = band.span_factor(z, ramp, acc) if ctx.needs_input_grad[3] else None  # (H, c, L)
+        dz_factor = band.span_factor(z, ramp, acc) if ctx.needs_input_grad[3] else None  # (H, c, L) or per group
         doc = F.pad(dout.to(acc), (0, 0, 0, band.rows - N)).view(B, H, nc, c, D)  # padded rows: dO = 0, so dS = 0
         delta = (doc * out).sum(dim=-1, keepdim=True)  # (B, H, nc, c, 1) Δ = rowsum(dO ∘ O)
         dq = torch.empty(B, H, nc, c, D, dtype=acc, device=q.device)
@@ -151,12 +152,14 @@ class BandAttention(torch.autograd.Function):
         for t0, t1 in band.groups(B * H):
             p = band.scores(qc, kw, bias, t0, t1).sub_(lse[:, :, t0:t1]).exp_()  # (B, H, g, c, L)
             do = doc[:, :, t0:t1]  # (B, H, g, c, D)
-            band.add_keys(dvp, p.transpose(-2, -1) @ do, t0)  # dV = Pᵀ dO
-            ds = p.mul_((do @ vw[:, :, t0:t1].transpose(-2, -1)).sub_(delta[:, :, t0:t1]))  # dS = P ∘ (dO Vᵀ − Δ)
-            if dz_factor is not None:  # the log-mask is added to every chunk's scores: dz sums dS over them
+            band.add_keys(dvp, p, do, t0)  # dV = Pᵀ dO
+            ds = p.mul_(band.mul(do, vw.transpose(-2, -1), t0, t1).sub_(delta[:, :, t0:t1]))  # dS = P ∘ (dO Vᵀ − Δ)
+            if dz_factor is not None and band.whole:  # each group's own factor (H, g, c, N)
+                dz += (ds.sum(dim=0) * dz_factor(t0, t1)).sum(dim=(1, 2, 3))
+            elif dz_factor is not None:  # the log-mask is added to every chunk's scores: dz sums dS over them
                 dz += (ds.sum(dim=(0, 2)) * dz_factor).sum(dim=(1, 2))
-            dq[:, :, t0:t1] = ds @ kw[:, :, t0:t1].transpose(-2, -1)  # dS K (q was scaled: times scale below)
-            band.add_keys(dkp, ds.transpose(-2, -1) @ qc[:, :, t0:t1], t0)  # dK = dSᵀ (q·scale)
+            dq[:, :, t0:t1] = band.mul(ds, kw.transpose(-2, -1), t0, t1)  # dS K (q was scaled: times scale below)
+            band.add_keys(dkp, ds, qc[:, :, t0:t1], t0)  # dK = dSᵀ (q·scale)
             del p, ds  # before the next group's tiles are made
         dq = dq.view(B, H, band.rows, D)[:, :, :N] * scale
         dk, dv = (g[:, :, band.left:band.left + N] for g in (dkp, dvp))
@@ -164,27 +167,44 @@ class BandAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dz, None, None, None, None, None
 
 
+def _span_factor(i: Tensor, j: Tensor, z: Tensor, ramp: int, causal: bool, dtype: torch.dtype) -> Tensor:
+    """(H, *grid) ∂ log m_h(x_ij) / ∂z_h (``Band.span_factor``), built in place."""
+    x = distance(i, j, causal).to(dtype)
+    u = z.view(-1, *[1] * x.dim()).add(ramp).sub(x).div_(ramp)  # as soft_mask
+    tiny = torch.finfo(dtype).tiny
+    zero = (u > 1) | (u < tiny)  # clamped at 1, or m below log_mask's clamp (0 included)
+    return u.clamp_min_(tiny).mul_(ramp).reciprocal_().masked_fill_(zero, 0)
+
+
 class Band:
     """The band backend's geometry at one length: ``nc`` chunks of ``c`` query rows (the last padded to
     c), chunk t against the L keys at padded positions t·c … t·c + L − 1 of k padded by ``left`` in front
-    (``band_tile``); ``groups`` of chunks whose scores hold at most ``tile_elements`` elements."""
+    (``band_tile``); ``groups`` of chunks whose scores hold at most ``tile_elements`` elements. ``whole``
+    (the band covers the sequence): every chunk against the L = N keys, unpadded, its log-mask and z's
+    derivative made per group ((H, g, c, N): the distance depends on the chunk), padded rows unmasked."""
 
     def __init__(self, seq_len: int, reach: int, causal: bool, chunk: int | None, device: torch.device) -> None:
         self.N, self.causal, self.device = seq_len, causal, device
-        self.c, self.left, self.right = band_tile(seq_len, reach, causal, chunk)
-        self.L, self.nc = self.c + self.left + self.right, -(-seq_len // self.c)
+        self.c, self.left, self.right, self.whole = band_tile(seq_len, reach, causal, chunk)
+        self.L = seq_len if self.whole else self.c + self.left + self.right
+        self.nc = -(-seq_len // self.c)
         self.rows = self.nc * self.c  # query rows, padded
-        self.keys = (self.nc - 1) * self.c + self.L  # k and v padded: left + N + pad + right
+        self.keys = seq_len if self.whole else (self.nc - 1) * self.c + self.L  # k and v padded: left + N + pad + right
         # Chunks [inner_lo, inner_hi) have no padding key in their band and no padded row: no mask there.
-        self.inner_lo = -(-self.left // self.c)
-        self.inner_hi = min(self.nc - (1 if self.rows > seq_len else 0), (seq_len + self.left - self.L) // self.c + 1)
+        # whole: no padding key at all; padded rows get a zero log-mask (bias) instead.
+        self.inner_lo = 0 if self.whole else -(-self.left // self.c)
+        self.inner_hi = self.nc if self.whole else min(self.nc - (1 if self.rows > seq_len else 0),
+                                                       (seq_len + self.left - self.L) // self.c + 1)
 
     def views(self, q: Tensor, k: Tensor, v: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         """q·scale in chunks (B, H, nc, c, D); each chunk's band of keys (B, H, nc, D, L) and of values
-        (B, H, nc, L, D), views of k and v padded by ``left`` in front; all three in ``dtype``."""
+        (B, H, nc, L, D), views of k and v padded by ``left`` in front; all three in ``dtype``. whole: the
+        keys transposed (B, H, D, N) and the values (B, H, N, D), shared by every chunk."""
         B, H, N, D = q.shape
         pad = self.rows - N
         qc = F.pad(q.to(dtype) * scale, (0, 0, 0, pad)).view(B, H, self.nc, self.c, D)
+        if self.whole:
+            return qc, k.to(dtype).transpose(-2, -1), v.to(dtype)
         kw, vw = (F.pad(t.to(dtype), (0, 0, self.left, pad + self.right)).unfold(2, self.L, self.c) for t in (k, v))
         return qc, kw, vw.transpose(-2, -1)
 
@@ -194,19 +214,35 @@ class Band:
         return (torch.arange(self.c, device=self.device)[:, None] + self.left,
                 torch.arange(self.L, device=self.device)[None, :])
 
-    def bias(self, z: Tensor, ramp: int, dtype: torch.dtype) -> Tensor:
-        """(H, c, L) log m_h(x) of every chunk (−∞ where m = 0, and in the future under causal)."""
-        return span_bias(*self.positions(), z.detach().to(self.device, dtype), ramp, self.causal)
+    def group_positions(self, t0: int, t1: int) -> tuple[Tensor, Tensor]:
+        """whole: (g, c, 1) query positions of chunks [t0, t1) and (1, 1, N) key positions."""
+        i = (torch.arange(t0, t1, device=self.device)[:, None, None] * self.c
+             + torch.arange(self.c, device=self.device)[:, None])
+        return i, torch.arange(self.N, device=self.device)[None, None, :]
 
-    def span_factor(self, z: Tensor, ramp: int, dtype: torch.dtype) -> Tensor:
+    def bias(self, z: Tensor, ramp: int, dtype: torch.dtype):
+        """(H, c, L) log m_h(x) of every chunk (−∞ where m = 0, and in the future under causal). whole: a
+        function of the group [t0, t1) giving its (H, g, c, N) log-mask, 0 on padded rows (which then
+        see every key, so that their softmax stays finite)."""
+        z = z.detach().to(self.device, dtype)
+        if not self.whole:
+            return span_bias(*self.positions(), z, ramp, self.causal)
+
+        def of(t0: int, t1: int) -> Tensor:
+            i, j = self.group_positions(t0, t1)
+            b = span_bias(i, j, z, ramp, self.causal)
+            return b.masked_fill_(i >= self.N, 0) if t1 * self.c > self.N else b
+        return of
+
+    def span_factor(self, z: Tensor, ramp: int, dtype: torch.dtype):
         """(H, c, L) ∂ log m_h(x) / ∂z_h as autograd takes it of ``span_bias``: 1/(R·m) where m > 0 and
         u = (R + z_h − x)/R ≤ 1 (torch's clamp passes the gradient at both of its ends), 0 elsewhere (the
-        future under causal has u > 1). One (H, c, L) tile, built in place."""
-        x = distance(*self.positions(), self.causal).to(dtype)
-        u = z.detach().to(self.device, dtype).view(-1, 1, 1).add(ramp).sub(x).div_(ramp)  # as soft_mask
-        tiny = torch.finfo(dtype).tiny
-        zero = (u > 1) | (u < tiny)  # clamped at 1, or m below log_mask's clamp (0 included)
-        return u.clamp_min_(tiny).mul_(ramp).reciprocal_().masked_fill_(zero, 0)
+        future under causal has u > 1). One (H, c, L) tile, built in place. whole: a function of the
+        group [t0, t1) giving its (H, g, c, N) factor (padded rows have dS = 0)."""
+        z = z.detach().to(self.device, dtype)
+        if not self.whole:
+            return _span_factor(*self.positions(), z, ramp, self.causal, dtype)
+        return lambda t0, t1: _span_factor(*self.group_positions(t0, t1), z, ramp, self.causal, dtype)
 
     def group_size(self, BH: int) -> int:
         """Chunks per group: their scores, B·H·g·c·L elements, fit ``tile_elements`` (one chunk at least)."""
@@ -217,11 +253,19 @@ class Band:
         step = self.group_size(BH)
         return ((t0, min(t0 + step, self.nc)) for t0 in range(0, self.nc, step))
 
-    def scores(self, qc: Tensor, kw: Tensor, bias: Tensor, t0: int, t1: int) -> Tensor:
+    def mul(self, x: Tensor, w: Tensor, t0: int, t1: int) -> Tensor:
+        """Chunks [t0, t1) of x (B, H, g, c, ·) times their band's w: (B, H, nc, ·, ·) sliced, or whole's
+        (B, H, ·, ·) shared by every chunk (one matmul over the group's rows)."""
+        if w.dim() == 5:
+            return x @ w[:, :, t0:t1]
+        return (x.flatten(2, 3) @ w).unflatten(2, x.shape[2:4])
+
+    def scores(self, qc: Tensor, kw: Tensor, bias, t0: int, t1: int) -> Tensor:
         """(B, H, g, c, L) scores plus the log-mask for chunks [t0, t1); padding keys at −∞, except for
         padded query rows, which see their band whole (their own padded position included) so that their
         softmax stays finite: NaN there would reach dk and dv."""
-        s = (qc[:, :, t0:t1] @ kw[:, :, t0:t1]).add_(bias[:, None])
+        s = self.mul(qc[:, :, t0:t1], kw, t0, t1)
+        s = s.add_(bias(t0, t1)) if self.whole else s.add_(bias[:, None])
         if t0 < self.inner_lo or t1 > self.inner_hi:
             t = torch.arange(t0, t1, device=self.device)[:, None, None]  # (g, 1, 1) chunk
             a = torch.arange(self.c, device=self.device)[:, None]  # (c, 1) row in the chunk
@@ -230,10 +274,15 @@ class Band:
             s.masked_fill_(~keep, float("-inf"))
         return s
 
-    def add_keys(self, grad: Tensor, part: Tensor, t0: int) -> None:
-        """Adds the bands' key (or value) gradients ``part`` (B, H, g, L, D) of chunks t0… into ``grad``
-        (B, H, keys, D), the padded keys: chunk t's band is keys t·c … t·c + L − 1. Bands overlap, so one
-        add per chunk (a group holds a few), no index_add."""
+    def add_keys(self, grad: Tensor, p: Tensor, x: Tensor, t0: int) -> None:
+        """Adds the bands' key (or value) gradients pᵀ x (B, H, g, L, D) of chunks t0… (p: (B, H, g, c, L),
+        x: (B, H, g, c, D)) into ``grad`` (B, H, keys, D), the padded keys: chunk t's band is keys t·c …
+        t·c + L − 1. Bands overlap, so one add per chunk (a group holds a few), no index_add. whole: every
+        chunk's band is the N keys: one matmul over the group's rows."""
+        if self.whole:
+            grad += p.flatten(2, 3).transpose(-2, -1) @ x.flatten(2, 3)
+            return
+        part = p.transpose(-2, -1) @ x
         for n in range(part.shape[2]):
             t = (t0 + n) * self.c
             grad[:, :, t:t + self.L] += part[:, :, n]
@@ -370,11 +419,18 @@ class AdaptiveSpan(Attention):
         a, BH = max(element_size, 4), B * H
         band = self.band(N, causal, device)
         rows, keys, g = band.rows, band.keys, band.group_size(BH)
+        end = BH * N * D * (a + (3 * element_size if element_size != a else 0))
+        if band.whole:  # the band covers the sequence: chunks against the N keys themselves
+            # Per (batch, head): as below, but k and v are not padded (copied only when cast) and the key
+            # and value gradients are N rows. The loop: the probabilities and dP, a key gradient (N, D), and
+            # the group's log-mask or z's derivative, (H, g, c, N), with span_bias's temporaries (two of
+            # them a head, and the int64 distances).
+            per_head = a * (4 * rows * D + 2 * rows + 2 * N * D) + (2 * a * N * D if element_size != a else 0)
+            loop = a * BH * (2 * g * band.c * band.L + N * D) + a * g * band.c * band.L * (2 * H + 2)
+            return BH * per_head + max(loop, end)
         per_head = a * (4 * rows * D + 2 * rows + 4 * keys * D)
         loop = a * BH * g * (2 * band.c * band.L + 2 * band.L * D)
-        end = BH * N * D * (a + (3 * element_size if element_size != a else 0))
-        # The log-mask and z's derivative, (H, c, L) each, and span_bias's temporaries: tiles of c × L a
-        # head, N × N where one chunk holds the band (N ≤ c + 2·reach: bounded by the span).
+        # The log-mask and z's derivative, (H, c, L) each, and span_bias's temporaries: tiles of c × L a head.
         return BH * per_head + max(loop, end) + 7 * a * H * band.c * band.L // 2
 
     # ----- call ------------------------------------------------------------------------------------------
