@@ -494,7 +494,12 @@ class MaskedAttention(Attention):
         scores, copied = largest_tile(self.plan(N, causal), BH, D, tile_elements(device))
         loop = a * (2 * scores + copied + copied // 2) + scores
         end = 3 * element_size * BH * N * D if copies else 0
-        saved = a * BH * self.executed_pairs(N, causal) if self.save_probabilities else 0  # the probability tiles
+        # The probability tiles, and each tile's row maxima beside them, (B, H, r, b, 1) a tile: b rows per
+        # query block of every chunk.
+        saved = 0
+        if self.save_probabilities:
+            rows = b * sum(ch.rows[1] - ch.rows[0] for ch in self.plan(N, causal).chunks)
+            saved = a * BH * (self.executed_pairs(N, causal) + rows)
         return BH * per_head + max(loop, end) + saved + self.reordering_bytes(B, H, N, D, element_size)
 
     def reordering_bytes(self, B: int, H: int, N: int, D: int, element_size: int) -> int:
