@@ -282,7 +282,7 @@ def part_overhead(ctx: Context) -> int:
     """The harness's fwd and fwd_bwd medians against raw do_bench of the same callable and shape,
     interleaved: raw, harness, raw, ... (OVERHEAD_RUNS harness runs, each between two raw timings). The
     overhead is the median harness run over the median raw timing: one run disturbed (the +13.6% the
-    H100 showed once, the other five cases within 0.8%) neither passes nor fails the target alone, and
+    H100 showed once, the other five cases within 0.83%) neither passes nor fails the target alone, and
     every run is in the file. A round whose raw timings disagree at their median by more than the target's
     3% (bench_gpu_summary.disturbed: the H200's linear `sdpa` forward, 0.356 and 0.476 ms in turn) is
     measured again, up to plan.overhead_rounds rounds; the earlier rounds stay in the file
