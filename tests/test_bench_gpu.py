@@ -1031,13 +1031,13 @@ def test_a_sigterm_during_the_gpu_tests_stops_them_and_packs(tmp_path):
     """A SIGTERM to gpu_job.sh while its GPU tests ran was held by bash until pytest, in the foreground,
     ended or reached its limit (up to 300 s). Now pytest is sent the SIGINT of its limit at once: the job
     packs, says the tests are pending, exit 143. (A plugin holds pytest at its start, as a long run would.)"""
-    (tmp_path / "slow_start.py").write_text("import time\n\ndef pytest_sessionstart(session):\n    time.sleep(300)\n")
+    began = tmp_path / "pytest-began"
+    (tmp_path / "slow_start.py").write_text(f"import pathlib, time\n\ndef pytest_sessionstart(session):\n"
+                                            f"    pathlib.Path({str(began)!r}).touch()\n    time.sleep(300)\n")
 
-    def started() -> bool:  # the job has said it runs the tests (tests-gpu.log); 2 s later pytest has begun
-        if not (tmp_path / "bench" / "tests-gpu.log").read_text():
-            return False
-        time.sleep(2)
-        return True
+    def started() -> bool:  # pytest has begun its session (its imports done, torch's too): the plugin says so.
+        return began.exists()  # (2 s after tests-gpu.log's line was not enough on a loaded machine: the SIGINT
+        # landed in conftest's import of torch, a KeyboardInterrupt traceback)
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     out = signalled_job(tmp_path, {"SKIP_TESTS": "0", "PYTEST_ADDOPTS": "-p slow_start", "PYTHONPATH": path},
                         started, lambda proc: proc.send_signal(signal.SIGTERM))
