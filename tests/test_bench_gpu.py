@@ -1011,15 +1011,54 @@ def signalled_job(tmp_path, env: dict[str, str], ready, send) -> str:
     return out
 
 
+# A sitecustomize (test_a_signal_to_the_gpu_job_...): every process of the job imports it; the one that measures
+# (python -m harness) sleeps in its second point, once HELD says so, until a signal ends the sleep.
+HOLD_AT_THE_SECOND_POINT = """
+import importlib.abc, importlib.util, pathlib, sys, time
+
+
+class Hold(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "harness.measure":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            measure_point, calls = module.measure_point, []
+
+            def held(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 2:
+                    pathlib.Path(HELD).touch()
+                    time.sleep(120)
+                return measure_point(*args, **kwargs)
+            module.measure_point = held
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, Hold())
+"""
+
+
 @pytest.mark.parametrize("group", [False, True], ids=["sigterm-to-the-script", "ctrl-c-to-its-group"])
 def test_a_signal_to_the_gpu_job_stops_the_benchmark_and_packs_what_it_measured(tmp_path, group):
     """A SIGTERM to gpu_job.sh alone was held by bash until the benchmark in the foreground had spent its
     whole budget (then: "stopped by a signal", "complete", exit 143); a Ctrl-C at its terminal (SIGINT to
     its process group) killed the log's tee, and the benchmark's writes broke off: the sweep "failed",
     state.json "exit 1", no closing lines, exit 141. Now the benchmark is sent SIGTERM, records where it
-    stopped, and the job packs and says it is incomplete."""
-    log = tmp_path / "out" / "job.log"
-    out = signalled_job(tmp_path, {"SKIP_TESTS": "1"}, lambda: re.search(r"^N=\d+ ok", log.read_text(), re.M),
+    stopped, and the job packs and says it is incomplete. The harness is held in its second point (a
+    sitecustomize on PYTHONPATH makes harness.measure's measure_point sleep there, saying so in a file) and
+    signalled there: signalled after its first point's line, the smoke sweep's first job (two points of
+    milliseconds) could have ended before the signal came (its status "completed", none "interrupted")."""
+    hold, held = tmp_path / "hold", tmp_path / "held"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(HOLD_AT_THE_SECOND_POINT.replace("HELD", repr(str(held))))
+    path = os.pathsep.join(filter(None, [str(hold), os.environ.get("PYTHONPATH")]))
+    out = signalled_job(tmp_path, {"SKIP_TESTS": "1", "PYTHONPATH": path}, held.exists,
                         lambda proc: os.killpg(proc.pid, signal.SIGINT) if group else proc.send_signal(signal.SIGTERM))
     assert out.rstrip().splitlines()[-1].startswith("gpu_job: incomplete (steps pending: c)"), out[-3000:]
     assert "step c: complete" not in out
