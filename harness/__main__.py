@@ -102,8 +102,12 @@ def terminate(signum, frame) -> None:
     import signal
 
     kind = TimeLimit if signum == signal.SIGUSR2 else Terminated
+    # A SIGTERM while the run already ends for one is the same request, not raised again: it comes twice
+    # where a process group and its parent both pass it on (timeout signals its group, harness.job its
+    # sweep), and the second, landing while the run recorded the first, left status.json "running".
+    ending = any(issubclass(k, Terminated) for k in PENDING_INTERRUPTS)
     PENDING_INTERRUPTS.append(kind)  # raised again at the run's next phase, should this one be lost
-    if not deferred(kind):
+    if not ending and not deferred(kind):
         raise kind()
 
 

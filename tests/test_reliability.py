@@ -496,6 +496,35 @@ def test_an_interrupt_while_a_row_is_handed_on_waits_until_every_sink_has_it(tmp
         runmod.PENDING_INTERRUPTS.clear()
 
 
+def test_a_second_sigterm_while_the_run_records_the_first_is_not_raised_again(tmp_path, monkeypatch):
+    """A sweep's harness gets a SIGTERM twice where a process group and its parent both pass it on
+    (gpu_job.sh's timeout signals its group, and harness.job passes it on to its sweep): the second landed
+    while the run wrote "interrupted", escaped it, and status.json stayed "running" (seen in CI). A SIGTERM
+    while the run already ends for one is the same request: the run records the first and ends, exit 143."""
+    from harness import run as runmod
+    from harness.__main__ import terminate
+
+    add, finish = JobStatus.add, JobStatus.finish
+
+    def add_then_sigterm(self, row):
+        add(self, row)
+        terminate(signal.SIGTERM, None)  # inside the row's deferred block: raised at its end
+
+    def finish_after_a_second_sigterm(self, state, error=None):
+        terminate(signal.SIGTERM, None)  # the second, as the run records the first
+        finish(self, state, error)
+    monkeypatch.setattr(JobStatus, "add", add_then_sigterm)
+    monkeypatch.setattr(JobStatus, "finish", finish_after_a_second_sigterm)
+    try:
+        with pytest.raises(runmod.RunInterrupted) as e:
+            runmod.run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=tmp_path)
+    finally:
+        runmod.PENDING_INTERRUPTS.clear()
+    assert e.value.exit_code == 143 and e.value.message.startswith("interrupted (SIGTERM) after 1 of 2 points")
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert (status["state"], status["points_done"]) == ("interrupted", 1)
+
+
 def test_an_interrupt_between_runs_does_not_say_nothing_was_measured():
     """A sweep's Ctrl-C between two jobs (no run measuring) keeps what the finished jobs measured."""
     from harness.__main__ import interrupted_outside_a_run
