@@ -451,18 +451,27 @@ def test_an_interrupt_is_one_line_status_interrupted_and_resumable(tmp_path, sig
     assert seq_lens_of(out) == [32, 40, 48, 56]
 
 
+def interrupted_run(tmp_path, *overrides: str):
+    """run() in this process, which must end interrupted; the interrupts its handlers remembered are
+    cleared after. Its RunInterrupted."""
+    from harness import run as runmod
+
+    try:
+        with pytest.raises(runmod.RunInterrupted) as e:
+            runmod.run(compose_cfg(*TINY, *overrides), output_dir=tmp_path)
+    finally:
+        runmod.PENDING_INTERRUPTS.clear()
+    return e.value
+
+
 def test_an_interrupt_lost_in_a_finalizer_still_ends_the_run(tmp_path):
     """Python drops a KeyboardInterrupt raised inside a finalizer ("Exception ignored in ..."): the
     command line's handler remembers every signal, and the run raises it again at its next phase."""
     from harness import run as runmod
 
     runmod.PENDING_INTERRUPTS.append(runmod.Terminated)  # as the SIGTERM handler does, its raise lost
-    try:
-        with pytest.raises(runmod.RunInterrupted) as e:
-            runmod.run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=tmp_path)
-    finally:
-        runmod.PENDING_INTERRUPTS.clear()
-    assert e.value.exit_code == 143 and e.value.message.startswith("interrupted (SIGTERM) after 0 of 2 points")
+    e = interrupted_run(tmp_path, "seq_lens=[32,40]")
+    assert e.exit_code == 143 and e.message.startswith("interrupted (SIGTERM) after 0 of 2 points")
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "interrupted"
     assert lines_of(tmp_path / "results.jsonl") == []
 
@@ -501,7 +510,6 @@ def test_a_second_sigterm_while_the_run_records_the_first_is_not_raised_again(tm
     (gpu_job.sh's timeout signals its group, and harness.job passes it on to its sweep): the second landed
     while the run wrote "interrupted", escaped it, and status.json stayed "running" (seen in CI). A SIGTERM
     while the run already ends for one is the same request: the run records the first and ends, exit 143."""
-    from harness import run as runmod
     from harness.__main__ import terminate
 
     add, finish = JobStatus.add, JobStatus.finish
@@ -515,12 +523,8 @@ def test_a_second_sigterm_while_the_run_records_the_first_is_not_raised_again(tm
         finish(self, state, error)
     monkeypatch.setattr(JobStatus, "add", add_then_sigterm)
     monkeypatch.setattr(JobStatus, "finish", finish_after_a_second_sigterm)
-    try:
-        with pytest.raises(runmod.RunInterrupted) as e:
-            runmod.run(compose_cfg(*TINY, "seq_lens=[32,40]"), output_dir=tmp_path)
-    finally:
-        runmod.PENDING_INTERRUPTS.clear()
-    assert e.value.exit_code == 143 and e.value.message.startswith("interrupted (SIGTERM) after 1 of 2 points")
+    e = interrupted_run(tmp_path, "seq_lens=[32,40]")
+    assert e.exit_code == 143 and e.message.startswith("interrupted (SIGTERM) after 1 of 2 points")
     status = json.loads((tmp_path / "status.json").read_text())
     assert (status["state"], status["points_done"]) == ("interrupted", 1)
 
