@@ -24,6 +24,7 @@ block mask).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +120,7 @@ class BandAttention(torch.autograd.Function):
         band = Band(N, reach, causal, chunk, q.device)
         acc = torch.promote_types(q.dtype, torch.float32)  # half inputs are computed in float32
         qc, kw, vw = band.views(q, k, v, scale, acc)
-        bias = band.bias(z, ramp, acc)  # (H, c, L), or each group's (whole)
+        bias = band.bias(z, ramp, acc)  # (t0, t1) -> the group's log-mask
         out = torch.empty(B, H, band.nc, band.c, D, dtype=acc, device=q.device)
         lse = torch.empty(B, H, band.nc, band.c, 1, dtype=acc, device=q.device)  # each row's log-sum-exp
         for t0, t1 in band.groups(B * H):
@@ -220,13 +221,15 @@ class Band:
              + torch.arange(self.c, device=self.device)[:, None])
         return i, torch.arange(self.N, device=self.device)[None, None, :]
 
-    def bias(self, z: Tensor, ramp: int, dtype: torch.dtype):
-        """(H, c, L) log m_h(x) of every chunk (−∞ where m = 0, and in the future under causal). whole: a
-        function of the group [t0, t1) giving its (H, g, c, N) log-mask, 0 on padded rows (which then
-        see every key, so that their softmax stays finite)."""
+    def bias(self, z: Tensor, ramp: int, dtype: torch.dtype) -> Callable[[int, int], Tensor]:
+        """The log-mask of the group [t0, t1) as a function of (t0, t1): log m_h(x), −∞ where m = 0 and in
+        the future under causal. Every chunk's is the same (H, c, L) tile, made once (as (H, 1, c, L));
+        whole: the group's own (H, g, c, N), 0 on padded rows (which then see every key, so that their
+        softmax stays finite)."""
         z = z.detach().to(self.device, dtype)
         if not self.whole:
-            return span_bias(*self.positions(), z, ramp, self.causal)
+            tile = span_bias(*self.positions(), z, ramp, self.causal)[:, None]
+            return lambda t0, t1: tile
 
         def of(t0: int, t1: int) -> Tensor:
             i, j = self.group_positions(t0, t1)
@@ -256,16 +259,16 @@ class Band:
     def mul(self, x: Tensor, w: Tensor, t0: int, t1: int) -> Tensor:
         """Chunks [t0, t1) of x (B, H, g, c, ·) times their band's w: (B, H, nc, ·, ·) sliced, or whole's
         (B, H, ·, ·) shared by every chunk (one matmul over the group's rows)."""
-        if w.dim() == 5:
+        if not self.whole:
             return x @ w[:, :, t0:t1]
         return (x.flatten(2, 3) @ w).unflatten(2, x.shape[2:4])
 
-    def scores(self, qc: Tensor, kw: Tensor, bias, t0: int, t1: int) -> Tensor:
+    def scores(self, qc: Tensor, kw: Tensor, bias: Callable[[int, int], Tensor], t0: int,
+               t1: int) -> Tensor:
         """(B, H, g, c, L) scores plus the log-mask for chunks [t0, t1); padding keys at −∞, except for
         padded query rows, which see their band whole (their own padded position included) so that their
         softmax stays finite: NaN there would reach dk and dv."""
-        s = self.mul(qc[:, :, t0:t1], kw, t0, t1)
-        s = s.add_(bias(t0, t1)) if self.whole else s.add_(bias[:, None])
+        s = self.mul(qc[:, :, t0:t1], kw, t0, t1).add_(bias(t0, t1))
         if t0 < self.inner_lo or t1 > self.inner_hi:
             t = torch.arange(t0, t1, device=self.device)[:, None, None]  # (g, 1, 1) chunk
             a = torch.arange(self.c, device=self.device)[:, None]  # (c, 1) row in the chunk
