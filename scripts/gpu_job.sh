@@ -198,7 +198,10 @@ stopped() {
     trap '' TERM INT
     echo "gpu_job: stopped by a signal"
     if [ -n "$CHILD" ]; then
-        kill -"$CHILD_SIGNAL" "$CHILD" 2>/dev/null
+        # To the command that timeout runs, once: timeout passes a signal it gets to the command and
+        # again to its whole process group, so pytest was interrupted twice (a traceback from its
+        # report of the first) and the harness under bench_gpu.py, which passes it on, thrice.
+        pkill -"$CHILD_SIGNAL" -P "$CHILD" 2>/dev/null || kill -"$CHILD_SIGNAL" "$CHILD" 2>/dev/null
         wait "$CHILD"
     fi
     exit 143
