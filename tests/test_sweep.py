@@ -365,6 +365,31 @@ def test_a_job_killed_while_it_waits_for_its_shared_directory_counts_as_failed(t
     assert recorded.keys() == {"0", "1"} and recorded[killed] == "failed" and state["state"] == "failed", state
 
 
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)], ids=["waiting-job-said-first", "holder-said-first"])
+def test_both_jobs_killed_in_a_shared_directory_are_failed_whichever_the_launcher_says_first(tmp_path, monkeypatch,
+                                                                                           order, capsys):
+    """The launcher's end of two killed jobs sharing one directory, in either order, without the race of
+    the test above: job 1 held the directory and was killed in its run (status.json says running, no lock
+    held), job 0 was killed waiting for it (it wrote nothing). Said first, job 0 kept job 1 as "gone" in
+    its status; job 1, said second, stayed "gone" there ("failed 1, gone 1" in the summary) until
+    ended_unfinished rewrote it."""
+    from types import SimpleNamespace
+
+    from harness.results import MULTIRUN_ENV, JobStatus, job_state
+    from hydra_plugins.harness_launchers import ended_unfinished
+
+    monkeypatch.setenv(MULTIRUN_ENV, "multirun-1")
+    JobStatus(tmp_path, 4, job=1).save()  # job 1's run, SIGKILLed after it began: "running"
+    cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path.parent), "subdir": tmp_path.name},
+                                      "job": {"override_dirname": "seq_lens=..."}}})
+    context = SimpleNamespace(config_loader=SimpleNamespace(load_sweep_config=lambda config, overrides: cfg))
+    for num in order:
+        ended_unfinished(context, cfg, [], num, "killed")
+    state = job_state(tmp_path)
+    assert {str(state["job"]): state["state"], **state["jobs"]} == {"0": "failed", "1": "failed"}, state
+    assert capsys.readouterr().err.count("error: job ") == 2  # each said in one line
+
+
 def test_a_rerun_with_more_lengths_extends_the_same_jobs(tmp_path):
     sweep_dir = tmp_path / "sweep"
     assert sweep("cpu_small", *TINY, "variant=full", "seq_lens=[32]", f"hydra.sweep.dir={sweep_dir}",
