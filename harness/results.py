@@ -397,8 +397,19 @@ class Contents:
 UNDECODABLE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of bytes that are not UTF-8
 
 
+def integral_ints(row: Any) -> Any:
+    """A result row with each integral float in an int field as an int, as a CSV cell is read: pandas
+    writes an int column that holds a null as floats ("seq_len": 4096.0), which is no damage."""
+    if not isinstance(row, dict):
+        return row
+    return {k: int(v) if isinstance(v, float) and v.is_integer() and SCHEMA.get(k, ((),))[0] == (int,) else v
+            for k, v in row.items()}
+
+
 def parse_jsonl(text: str, check: Callable[[Any], str | None] | None = None) -> Contents:
-    """``check``: why a parsed line is not a row (default ``row_problem``: a result row)."""
+    """``check``: why a parsed line is not a row (default ``row_problem``: a result row, its integral floats
+    in int fields read as ints)."""
+    read = integral_ints if check is None else lambda row: row
     check = check or row_problem
     rows, damaged, recovered = [], [], []
     # Lines end at "\n" only: str.splitlines would also split at U+2028, U+0085 or \x1c inside a JSON
@@ -407,7 +418,7 @@ def parse_jsonl(text: str, check: Callable[[Any], str | None] | None = None) -> 
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = read(json.loads(line))
             problem = "not UTF-8" if UNDECODABLE.search(line) else check(row)  # read with surrogateescape
         except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
             row, problem = None, f"not JSON ({getattr(err, 'msg', type(err).__name__)})"
@@ -415,13 +426,13 @@ def parse_jsonl(text: str, check: Callable[[Any], str | None] | None = None) -> 
             rows.append(row)
             continue
         damaged.append(Damaged(lineno, line, problem))
-        inner = _rows_inside(line, check)
+        inner = _rows_inside(line, check, read)
         rows += inner
         recovered += [lineno] * len(inner)
     return Contents(rows, damaged, recovered)
 
 
-def _rows_inside(line: str, check: Callable[[Any], str | None]) -> list[dict[str, Any]]:
+def _rows_inside(line: str, check: Callable[[Any], str | None], read: Callable[[Any], Any]) -> list[dict[str, Any]]:
     """The whole valid rows inside a damaged line, in order: the rows it starts with, one after another
     (rows whose newline was lost), and the row it ends with (a line cut mid-write, then joined with the
     next row: the next append started without a newline). Never an object nested in a row."""
@@ -432,6 +443,7 @@ def _rows_inside(line: str, check: Callable[[Any], str | None]) -> list[dict[str
             row, stop = decoder.raw_decode(line, start)
         except (ValueError, RecursionError):
             return None
+        row = read(row)
         return None if UNDECODABLE.search(line, start, stop) or check(row) is not None else (row, stop)
     while end < len(line) and (found := whole(end)) is not None:
         rows.append(found[0])

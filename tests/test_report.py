@@ -218,6 +218,26 @@ def test_csv_text_fields_stay_text_and_a_row_left_out_is_said(tmp_path):
     assert "4 (seq_len='abc' is not int)" in said[0] and "5 (batch_size=1.5 is not int)" in said[0], said
 
 
+def test_an_integral_float_in_an_int_field_of_a_jsonl_is_an_int_as_in_a_csv(tmp_path):
+    """pandas writes an int column that holds a null as floats ("seq_len": 4096.0): such a row was a damaged
+    line in a results.jsonl, while the same cell in a results.csv read as 4096. A fraction stays damage."""
+    write_sweep(tmp_path, [[row("full", "sdpa", 64, fwd=1.0), row("full", "sdpa", 128, fwd=4.0),
+                            row("full", "sdpa", 256, fwd=9.0)]])
+    path = tmp_path / "0" / "results.jsonl"
+    first, second, third = (json.loads(line) for line in path.read_text().splitlines())
+    second.update(seq_len=128.0, batch_size=1.0)
+    third.update(batch_size=1.5)
+    # and at the end of a line cut mid-write, where a reader recovers whole rows
+    path.write_text("\n".join([json.dumps(first), json.dumps(second), json.dumps(third),
+                               '{"variant": "fu' + json.dumps({**second, "seq_len": 512.0}), ""]))
+    said = []
+    got = load_rows(tmp_path, warn=said.append)
+    assert [(r["seq_len"], r["batch_size"]) for r in got] == [(64, 1), (128, 1), (512, 1)]
+    assert all(type(r["seq_len"]) is int and type(r["batch_size"]) is int for r in got)
+    assert type(got[1]["fwd_ms"]) is float  # a float field keeps its floats
+    assert len(said) == 1 and "3 (batch_size=1.5 is not int)" in said[0] and "a whole row inside line(s) 4 kept" in said[0], said
+
+
 def test_a_csv_row_with_cells_missing_or_past_the_header_is_a_damaged_line(tmp_path):
     """A row cut after its status cell read as a valid row (the reader fills the cells it lacks with null)
     and showed as a series of its own; a row joined to the next lost the cells past the header."""
