@@ -77,7 +77,10 @@ class Linear(Attention):
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
                      device: torch.device | str | None = None) -> int:
         k = self.options.proj_dim
-        return element_size * B * H * (3 * N * k + 4 * k * D + 6 * N * D)
+        # E[:, :N] and F[:, :N] cast to the inputs' dtype where it is not theirs (float32): copies the
+        # backward keeps, (k, N) each, or (H, k, N) with share=none
+        copies = 0 if element_size == 4 else element_size * k * N * (H if self.options.share == "none" else 1) * 2
+        return element_size * B * H * (3 * N * k + 4 * k * D + 6 * N * D) + copies
 
     def projections(self, seq_len: int, num_heads: int) -> tuple[Tensor, Tensor]:
         """E[:, :N], F[:, :N] as (k, N), or with share=none the call's heads' (H, k, N) (those of its head
