@@ -298,6 +298,24 @@ def test_bigbird_random_blocks(w, g, r, causal, b, N, seed):
     assert torch.equal(m, expect & (j <= i) if causal else expect)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_bigbird_rows_draw_their_random_blocks_apart(seed, causal):
+    """Each row draws its own R(I): rows with the same candidates do not all take the same blocks. One
+    draw of key order shared by every row still gives each row min(r, available) distinct candidates, so
+    the checks above caught it only where two seeds happened to give one layout (1 case of 30); it gave
+    nearly every row the same two blocks (3 distinct sets in 32 rows)."""
+    nb, r = 32, 2
+    attn = variants.build("sparse", pattern="bigbird", block_size=8, window_blocks=1, global_blocks=0,
+                          random_blocks=r, seed=seed)
+    random = attn.layout(nb * 8, causal) & ~torch.eye(nb, dtype=torch.bool)
+    rows = range(8, nb) if causal else range(nb)  # causal: rows with at least 8 candidates
+    sets = {tuple(random[row].nonzero().flatten().tolist()) for row in rows}
+    assert len(sets) >= len(rows) // 2, f"{len(sets)} distinct random sets in {len(rows)} rows"
+    # No block is the pick of most rows (independent rows: at most 10 of 32 here).
+    assert int(random[list(rows)].sum(0).max()) <= len(rows) // 2
+
+
 def test_sparse_layout_density_is_reported():
     attn = variants.build("sparse", pattern="fixed", block_size=16, local_blocks=2, summary_blocks=1)
     layout = attn.layout(200, False)
