@@ -353,6 +353,21 @@ def test_dilation_costs_the_window_not_window_times_dilation(causal):
         assert ratio < 1.5 * plain.executed_pairs(N, causal) / plain.allowed_pairs(N, causal), (d, ratio)  # was ~d×
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("window,global_tokens", [(4, 3), (4, 20), (40, 70), (64, 100)])
+def test_global_tokens_cost_their_rows_and_columns_not_every_rows_slots(window, global_tokens, causal):
+    """Global rows are planned apart (dense_rows: every query block holding one, a partial block
+    included), so the executed pairs are the band's plus at most the global blocks' rows and columns.
+    Rounding dense_rows down left a partly global first block among the others: every row got its long
+    slot list, 1.8x the pairs at N=4096 (w=4, g=3)."""
+    N = 4096
+    band = variants.build("sliding_window", window=window)
+    sw = variants.build("sliding_window", window=window, global_tokens=global_tokens)
+    b = sw.engine_block_size(N)
+    bound = band.executed_pairs(N, causal) + 2 * math.ceil(global_tokens / b) * b * N
+    assert sw.executed_pairs(N, causal) <= bound
+
+
 def test_facts_default_in_the_base_class():
     """What the harness asks every variant, answered by the defaults or the variant's own override."""
     full = variants.build("full", backend="math")
