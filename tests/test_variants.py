@@ -427,7 +427,8 @@ def test_analytic_memory_follows_causal():
     span = variants.build("adaptive_span", max_span=256)
     assert span.memory_bytes(1, 4, 4096, 64, 4, causal=True) < span.memory_bytes(1, 4, 4096, 64, 4, causal=False)
     for name, options in [("sliding_window", {"window": 256}), ("sparse", {"pattern": "fixed"}),
-                          ("blockwise", {"mode": "local", "backend": "dense"}), ("full", {"backend": "math"})]:
+                          ("blockwise", {"mode": "local", "backend": "dense"}), ("full", {"backend": "math"}),
+                          ("blockwise", {"mode": "exact", "backend": "dense"})]:  # its pairs are counted, not planned
         attn = variants.build(name, **options)
         for H, N in ((1, 512), (4, 4096)):
             bidir, causal = (attn.memory_bytes(1, H, N, 64, 4, causal=c) for c in (False, True))
