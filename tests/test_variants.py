@@ -188,6 +188,16 @@ def test_linear_has_no_mask():
     assert variants.build("linear", proj_dim=4, max_seq_len=16).mask(16) is None
 
 
+def test_linear_flops_count_the_scores_and_both_projections():
+    """N·k scores (4·D FLOPs a pair: q·K̃ᵀ and P·Ṽ) plus K̃ = E·k and Ṽ = F·v (2·k·N·D each), all of
+    them useful; density k/N. Counting only the scores halved linear's FLOPs unseen."""
+    B, H, N, D, k = 2, 3, 100, 16, 12
+    attn = variants.build("linear", proj_dim=k, max_seq_len=256)
+    want = 4 * B * H * D * N * k + 2 * (2 * B * H * k * N * D)
+    assert attn.flops(B, H, N, D) == variants.base.Flops(executed=want, useful=want)
+    assert attn.allowed_pairs(N) == N * k and attn.density(N) == pytest.approx(k / N)
+
+
 # ----- degenerate configurations equal full ---------------------------------------------------------
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("name,options", [
