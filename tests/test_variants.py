@@ -188,6 +188,20 @@ def test_linear_has_no_mask():
     assert variants.build("linear", proj_dim=4, max_seq_len=16).mask(16) is None
 
 
+@pytest.mark.parametrize("share", ["headwise", "kv", "none"])
+def test_linear_projections_are_drawn_from_n_0_1_over_k(share):
+    """E, F ~ N(0, 1/k), seeded: the projected keys keep the scale of the keys (E·k has the variance of
+    one key). The reference uses the module's own E and F, so a wrong variance passed every value test."""
+    k, n = 16, 1024
+    attn = variants.build("linear", proj_dim=k, max_seq_len=n, share=share, num_heads=2 if share == "none" else None)
+    for p in (attn.E.detach(), attn.F.detach()):
+        assert p.shape == ((2, k, n) if share == "none" else (k, n))
+        assert abs(float(p.mean())) < 0.01 and float(p.var()) == pytest.approx(1 / k, rel=0.05)
+    assert (attn.F is attn.E) == (share == "kv")
+    again = variants.build("linear", proj_dim=k, max_seq_len=n, share=share, num_heads=2 if share == "none" else None)
+    assert torch.equal(again.E, attn.E) and torch.equal(again.F, attn.F), "seeded"
+
+
 def test_linear_flops_count_the_scores_and_both_projections():
     """N·k scores (4·D FLOPs a pair: q·K̃ᵀ and P·Ṽ) plus K̃ = E·k and Ṽ = F·v (2·k·N·D each), all of
     them useful; density k/N. Counting only the scores halved linear's FLOPs unseen."""
