@@ -81,6 +81,24 @@ def test_flex_mask_mod_is_the_mask(name, options, causal):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("name,options", [("sparse", {"pattern": "fixed", "block_size": 16}),
+                                          ("sparse", {"pattern": "bigbird", "block_size": 16}),
+                                          ("sparse", {"pattern": "strided", "block_size": 48, "stride": 3})],
+                         ids=lambda x: str(x))
+def test_flex_layout_lookup_stays_in_its_table_over_the_padded_last_tile(name, options, causal):
+    """A CUDA kernel evaluates the mask_mod on its last tile whole, indices up to the next multiple of
+    BLOCK_SIZE past N (the kernel drops those scores itself); the layout lookup must read inside its
+    table there (a read past it is out of bounds on the device). On CPU: the same mask_mod on that padded
+    grid. A table of just the nb layout blocks passed every CPU test (create_mask stops at N)."""
+    N = 200
+    attn = variants.build(name, **options)
+    padded = -(-N // flex.BLOCK_SIZE) * flex.BLOCK_SIZE
+    i, j = torch.arange(padded)[:, None], torch.arange(padded)[None, :]
+    got = flex.mask_mod(attn, N, causal, "cpu")(0, 0, i, j)  # IndexError if it reads past its table
+    assert got.shape == (padded, padded) and torch.equal(got[:N, :N], attn.mask(N, causal))
+
+
 def _captured_tensors(fn) -> list:
     """The tensors a function reads through its closure, followed into the functions it holds."""
     found, todo, seen = [], [fn], set()
