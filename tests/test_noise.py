@@ -118,10 +118,9 @@ def test_gpu_repeats_give_every_call_a_spread_within_max_run_time():
     assert gpu_repeats(90_000.0, opts) == 1
 
 
-def test_cuda_timing_of_long_calls_keeps_within_max_run_time(monkeypatch):
-    """The GPU pass's untimed calls (the first, the estimate) count against max_run_time, as the CPU
-    autorange's estimate does: 0.2 s calls with 1 s allow 5 calls, not 2 untimed + 5 timed. The CUDA
-    events and synchronisation are stood in for by the host clock (the calls are host sleeps)."""
+@pytest.fixture
+def host_clock_events(monkeypatch):
+    """cuda_time_fn on any machine: its CUDA events and synchronisation stood in for by the host clock."""
     import time
 
     from harness import measure
@@ -139,6 +138,16 @@ def test_cuda_timing_of_long_calls_keeps_within_max_run_time(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(measure, "L2_FLUSH_BYTES", 16)
+
+
+def test_cuda_timing_of_long_calls_keeps_within_max_run_time(host_clock_events):
+    """The GPU pass's untimed calls (the first, the estimate) count against max_run_time, as the CPU
+    autorange's estimate does: 0.2 s calls with 1 s allow 5 calls, not 2 untimed + 5 timed. The CUDA
+    events and synchronisation are stood in for by the host clock (the calls are host sleeps)."""
+    import time
+
+    from harness import measure
+
     calls = []
 
     def slow() -> None:
@@ -149,6 +158,22 @@ def test_cuda_timing_of_long_calls_keeps_within_max_run_time(monkeypatch):
                                                                        max_run_time=1.0))
     assert len(calls) <= 5 and 1 <= t.samples < 5, (len(calls), t)
     assert t.median_ms == pytest.approx(200, rel=0.5)
+
+
+def test_the_cuda_timer_leaves_before_out_of_its_events_with_the_host_clock_standing_in(host_clock_events):
+    """cuda_time_fn on any machine, its CUDA events stood in for by the host clock (as above): ``before``
+    (a 30 ms host sleep) runs ahead of every timed call and outside its events, so a 1 ms call times about
+    1 ms, not 31. The GPU test above checks the real events; this one runs without a GPU."""
+    import time
+
+    from harness import measure
+
+    order = []
+    t = measure.cuda_time_fn(lambda: (order.append("fn"), time.sleep(1e-3)), torch.device("cpu"),
+                             MeasureOptions(min_run_time=0.01, min_samples=5),
+                             before=lambda: (order.append("before"), time.sleep(0.03)))
+    assert order[::2] == ["before"] * (len(order) // 2) and order[1::2] == ["fn"] * (len(order) // 2)
+    assert t.samples >= 5 and t.median_ms < 15, t
 
 
 @pytest.mark.gpu
@@ -495,3 +520,25 @@ def test_others_load_makes_only_timings_noisy():
     timed = {**busy, "fwd_bwd_ms": 10.0, "fwd_bwd_iqr_ms": 0.1, "fwd_bwd_samples": 9}
     assert noise(timed, MeasureOptions(passes=("fwd_bwd",))) == [
         (None, "other processes kept 1.50 cores busy > measure.max_other_cores=0.25")]
+
+
+def test_a_timing_is_the_median_of_its_samples_and_its_spread_the_interquartile_range():
+    """A pass's time is the median of its samples and its spread the 75th minus the 25th percentile (numpy's
+    linear quantiles), never another pair; one sample has no spread to report. Kills a median read from
+    another quantile, IQR bounds swapped for wider ones, and a zero IQR reported for a single sample."""
+    from harness.measure import Timing, _stats
+
+    t = _stats([9.0, 1.0, 8.0, 2.0, 7.0, 3.0, 6.0, 4.0, 5.0])
+    assert (t.median_ms, t.iqr_ms, t.samples) == (5.0, 4.0, 9)
+    assert _stats([2.5]) == Timing(2.5, None, 1)
+
+
+def test_the_spread_is_judged_relative_to_the_median_and_min_samples_samples_are_enough():
+    """max_rel_iqr bounds IQR / median: a 10 ms spread of a 100 ms call is quiet, a 0.1 ms spread of a
+    0.5 ms call is not. A pass with exactly min_samples samples has enough."""
+    opts = MeasureOptions(passes=("fwd_bwd",))
+    rec = dict(fwd_bwd_ms=100.0, fwd_bwd_iqr_ms=10.0, fwd_bwd_samples=opts.min_samples, other_cpu_cores=0.0)
+    assert noise(rec, opts) == []
+    assert noise({**rec, "fwd_bwd_ms": 0.5, "fwd_bwd_iqr_ms": 0.1}, opts) == [
+        ("fwd_bwd", f"fwd_bwd: IQR 20% of the median > measure.max_rel_iqr={opts.max_rel_iqr:g}")]
+    assert [p for p, _ in noise({**rec, "fwd_bwd_samples": opts.min_samples - 1}, opts)] == ["fwd_bwd"]
