@@ -816,3 +816,38 @@ def test_compare_refuses_a_threshold_that_can_never_flag(tmp_path, capsys):
         compare([str(tmp_path), str(tmp_path), "--threshold", "abc"])
     assert e.value.code == 2
     assert capsys.readouterr().err == "compare: error: argument --threshold: invalid float value: 'abc'; see --help\n"
+
+
+def test_throughputs_are_the_flops_over_each_pass_time_the_backward_counted_as_2_5_forwards(tmp_path, monkeypatch):
+    """tflops_<pass> = FLOPs / time in s / 1e12: the forward's FLOPs for the forward, 2.5 times them for the
+    backward and 3.5 times for forward+backward (FlashAttention's convention), executed and useful alike;
+    causal full attention's useful FLOPs count N(N+1)/2 pairs. The times are stood in for (2, 4 and 8 ms),
+    so the figures are exact."""
+    def timed(attn, **kw):
+        kw["record"].update(setup_s=0.0, warmup_s=0.0, **{f"{p}_{k}": v for p, ms in (("fwd", 2.0), ("bwd", 4.0),
+                                                                                       ("fwd_bwd", 8.0))
+                                                           for k, v in (("ms", ms), ("iqr_ms", 0.0), ("samples", 5))})
+
+    monkeypatch.setattr(runmod, "measure_point", timed)
+    (r,) = run(compose_cfg("variant=full", "causal=true", "seq_lens=[64]", "batch_size=1", "num_heads=2",
+                           "head_dim=16", "fidelity.enabled=false", "logger=none"), output_dir=tmp_path).rows
+    useful = 4 * 1 * 2 * 16 * (64 * 65 // 2)
+    assert r.flops_fwd_useful == useful and r.flops_fwd >= useful
+    assert r.tflops_fwd == pytest.approx(r.flops_fwd / 2e-3 / 1e12)
+    assert r.tflops_fwd_useful == pytest.approx(useful / 2e-3 / 1e12)
+    assert r.tflops_bwd == pytest.approx(2.5 * r.flops_fwd / 4e-3 / 1e12)
+    assert r.tflops_bwd_useful == pytest.approx(2.5 * useful / 4e-3 / 1e12)
+    assert r.tflops_fwd_bwd == pytest.approx(3.5 * r.flops_fwd / 8e-3 / 1e12)
+    assert r.tflops_fwd_bwd_useful == pytest.approx(3.5 * useful / 8e-3 / 1e12)
+
+
+def test_the_memory_budget_counts_the_inputs_beside_the_analytic_extra(tmp_path):
+    """A point is skipped where its analytic extra memory plus q, k, v and the output gradient (4·B·H·N·D
+    elements) pass memory_budget_gb: a budget above the extra alone but below it with the inputs skips it."""
+    cfg = compose_cfg("variant=full", "variant.backend=math", "seq_lens=[64]", "batch_size=1", "num_heads=1",
+                      "head_dim=256", "fidelity.enabled=false", "logger=none")
+    _, attn, device = validate(cfg)
+    extra, inputs = attn.memory_bytes(1, 1, 64, 256, 4, False, device), 4 * 64 * 256 * 4
+    cfg.memory_budget_gb = (extra + inputs / 2) / 1e9
+    (r,) = run(cfg, output_dir=tmp_path).rows
+    assert r.status == "skipped" and "(inputs included)" in r.reason and r.fwd_ms is None, r.reason
