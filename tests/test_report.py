@@ -744,7 +744,8 @@ def test_a_report_interrupted_half_way_leaves_its_out_as_it_was(tmp_path):
 @pytest.mark.parametrize("field, value, problem", [
     ("fwd_iqr_ms", -0.1, "fwd_iqr_ms=-0.1 is negative"),  # the error bars' matplotlib refused it: a traceback
     ("fwd_ms", 0.0, "fwd_ms=0.0 is not > 0"),  # counted as the fastest in the crossover
-    ("peak_mem_bytes", -1, "peak_mem_bytes=-1 is negative")])
+    ("peak_mem_bytes", -1, "peak_mem_bytes=-1 is negative"),
+    ("seq_len", 0, "seq_len=0 is not > 0")])  # no sequence: a log-log fit's log(0)
 def test_a_negative_time_spread_or_size_is_a_damaged_line(tmp_path, capsys, field, value, problem):
     """No measurement gives one (a hand-edited or foreign row): left out and said, the rest reported."""
     sweep = write_sweep(tmp_path / "s", [[row("full", "sdpa", 128, fwd=1.0, mem=1),
@@ -762,3 +763,15 @@ def test_a_row_with_an_integer_past_int64_is_a_damaged_line_not_a_crash(tmp_path
     res = cli("harness.report", sweep)
     assert res.returncode == 0, res.stderr
     assert "damaged line(s) 2 (fwd_bwd_ms is past a 64-bit integer)" in res.stderr and "1 points" in res.stdout
+
+
+def test_the_fit_from_length_itself_is_in_the_fit():
+    """--fit-from N fits over N and longer, N included: here the point at N=512 is off the N² line, so a fit
+    that left it out would find exactly 2."""
+    from harness.results import loglog_slope
+
+    times = {256: 1.0, 512: 4 * 512 ** 2 * 1e-6, 1024: 1024 ** 2 * 1e-6, 2048: 2048 ** 2 * 1e-6}
+    rows = [row("full", "sdpa", n, fwd=t) for n, t in times.items()]
+    fitted = report.series_exponent(rows, "fwd_ms", 512)
+    assert fitted == pytest.approx(loglog_slope([512, 1024, 2048], [times[n] for n in (512, 1024, 2048)]))
+    assert fitted < 1.9
