@@ -433,6 +433,10 @@ def test_a_regression_needs_the_threshold_and_separate_iqr_intervals():
     assert result["regressions"] == 0 and result["noisy"] == ["full/sdpa N=1024: fwd_bwd_ms noisy in B (others)"]
     # memory has no spread: the threshold alone decides
     assert judge("peak_mem_bytes", a, {**a, "peak_mem_bytes": 2 * a["peak_mem_bytes"]}, 0.1)[1] == "REGRESSION"
+    # each run's interval is its median ± half its IQR: [9, 11] and [12, 14] are apart (± a whole IQR,
+    # [8, 12] and [11, 15], would overlap)
+    assert judge("fwd_bwd_ms", {**a, "fwd_bwd_iqr_ms": 2.0}, {**a, "fwd_bwd_ms": 13.0, "fwd_bwd_iqr_ms": 2.0},
+                 0.1)[1] == "REGRESSION"
 
 
 def test_every_throughput_is_higher_is_better_and_not_judged_from_noisy_timings():
