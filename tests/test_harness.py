@@ -851,3 +851,21 @@ def test_the_memory_budget_counts_the_inputs_beside_the_analytic_extra(tmp_path)
     cfg.memory_budget_gb = (extra + inputs / 2) / 1e9
     (r,) = run(cfg, output_dir=tmp_path).rows
     assert r.status == "skipped" and "(inputs included)" in r.reason and r.fwd_ms is None, r.reason
+
+
+def test_on_noise_retry_keeps_the_quietest_try_not_the_first_or_the_last(tmp_path, monkeypatch):
+    """measure.on_noise=retry with three noisy tries (forward+backward IQR 50%, 20% and 40% of the median,
+    all over max_rel_iqr): the point keeps the try with the smallest relative spread, the second, and
+    says it took three."""
+    spreads = iter([5.0, 2.0, 4.0])
+
+    def timed(attn, **kw):
+        kw["record"].update(setup_s=0.0, warmup_s=0.0, fwd_bwd_ms=10.0, fwd_bwd_iqr_ms=next(spreads),
+                            fwd_bwd_samples=9)
+
+    monkeypatch.setattr(runmod, "measure_point", timed)
+    (r,) = run(compose_cfg("variant=full", "seq_lens=[64]", "num_heads=1", "head_dim=8", "measure.passes=[fwd_bwd]",
+                           "measure.on_noise=retry", "measure.max_tries=3", "fidelity.enabled=false", "logger=none"),
+               output_dir=tmp_path).rows
+    assert (r.fwd_bwd_iqr_ms, r.tries, r.noisy) == (2.0, 3, True)
+    assert r.noise_reasons == "fwd_bwd: IQR 20% of the median > measure.max_rel_iqr=0.15"
