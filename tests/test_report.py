@@ -775,3 +775,13 @@ def test_the_fit_from_length_itself_is_in_the_fit():
     fitted = report.series_exponent(rows, "fwd_ms", 512)
     assert fitted == pytest.approx(loglog_slope([512, 1024, 2048], [times[n] for n in (512, 1024, 2048)]))
     assert fitted < 1.9
+
+
+def test_latest_keeps_each_points_last_row_in_the_order_of_those_last_rows():
+    """A point measured again counts once, by its last row, placed where that row is (results.csv lists the
+    points in the order they were last measured)."""
+    from harness.results import latest
+
+    first, other = row("full", "sdpa", 64, fwd=1.0), row("full", "sdpa", 128, fwd=2.0)
+    again = row("full", "sdpa", 64, fwd=3.0)
+    assert latest([first, other, again]) == [other, again]
