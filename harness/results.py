@@ -616,15 +616,16 @@ def load_rows(path: str | Path, warn=None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     runs_of: dict[tuple, list[dict[str, Any]]] = {}  # point -> its last row in each file holding it
     files_of: dict[tuple, list[Path]] = {}  # point -> those files
-    machines_of: dict[tuple, set[str]] = {}  # point -> the machines its timed rows were measured on
+    # point -> the machines its runs' timed rows were measured on (a row measured again in its file is no
+    # run: a point timed on A, then again on B, is B's)
+    machines_of: dict[tuple, set[str]] = {}
     for file, found in read_files(path, warn):
         for row in latest(found):
             key = point_key(row)
             runs_of.setdefault(key, []).append(row)
             files_of.setdefault(key, []).append(file)
-        for row in found:
             if any(row.get(m) is not None for m in (*TIME_METRICS, "peak_mem_bytes")):
-                machines_of.setdefault(point_key(row), set()).add(machine_name(row))
+                machines_of.setdefault(key, set()).add(machine_name(row))
         rows += found
     # A point in two files is two runs of it (jobs that differ only in a setting outside the identity,
     # e.g. measure.timer; a sweep run again; or two machines): not a re-measurement, and not to be hidden

@@ -187,6 +187,13 @@ def test_a_point_in_several_files_is_its_median_run_and_said_apart_from_one_meas
     assert len(said) == 2, said
     assert "1 point(s) were timed on more than one machine (Other CPU, Synthetic CPU)" in said[0]
     assert "1 row(s) are earlier measurements of a point measured again" in said[1]
+    # a row measured again on the other machine is no run: every run is one machine's, the median stands
+    write_sweep(tmp_path / "again", [[row("full", "sdpa", 64, fwd=1.0, device_name="Other CPU"),
+                                      row("full", "sdpa", 64, fwd=9.0)],
+                                     [row("full", "sdpa", 64, fwd=3.0)], [row("full", "sdpa", 64, fwd=2.0)]])
+    said = []
+    (point,) = load_rows(tmp_path / "again", warn=said.append)
+    assert point["fwd_ms"] == 3.0 and not [s for s in said if "more than one machine" in s], said
 
 
 def write_csv_sweep(root: Path, rows: list[dict]) -> Path:
