@@ -208,12 +208,12 @@ def test_ring_peak_memory_per_rank_falls_with_P(ranks):
 def test_ring_analytic_memory_bounds_each_ranks_measured_peak(ranks):
     """memory_bytes is what the harness's budget skips points by: per rank, one tile and the shard-sized
     buffers, about the peak measured in every rank (N=1024, zigzag, float32). Counting 8 shard buffers
-    instead of 16 put it 25% under the measured peak, unseen. (1% slack: at P=2 the peak is 8204 bytes,
-    0.2%, over the figure.)"""
+    instead of 16 put it 25% under the measured peak, unseen; leaving out the two row statistics, 8204
+    bytes under it at P=2. To the byte but for 12 bytes at P=2 that the figure does not model (64 allowed)."""
     peaks = {1: [measure_peak(0, 1)], 2: passed(ranks(2), "peak"), 3: passed(ranks(3), "peak")}
     for P, per_rank in peaks.items():
         analytic = variants.build("ring", world_size=P, layout="zigzag").memory_bytes(1, 2, 1024, 32, 4, False)
-        assert max(per_rank) <= 1.01 * analytic and analytic <= 1.5 * max(per_rank), (P, per_rank, analytic)
+        assert max(per_rank) <= analytic + 64 and analytic <= 1.5 * max(per_rank), (P, per_rank, analytic)
 
 
 def test_bad_options():

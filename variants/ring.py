@@ -84,12 +84,14 @@ class Ring(SequenceParallel):
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
                      device: torch.device | str | None = None) -> int:
-        """Per rank: scores, probabilities and their gradients of one tile, plus about 16 shard-sized
-        buffers (q, k, v in flight and their gradients and accumulators, o, dO)."""
+        """Per rank: scores, probabilities and their gradients of one tile (accumulated in float32 for half
+        inputs), about 16 shard-sized buffers (q, k, v in flight and their gradients and accumulators, o,
+        dO) and two float32 row statistics (the saved log-sum-exp, the backward's rowsum(dO ∘ O))."""
         n = -(-N // self.options.world_size)
         run = -(-n // 2) if self.options.layout == "zigzag" else n
         tile = run * min(self.block_size or run, run)
-        return element_size * B * H * (4 * tile + 16 * n * D)
+        acc = max(element_size, 4)
+        return B * H * (acc * 4 * tile + element_size * 16 * n * D + 4 * 2 * n)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str) -> Tensor:
         group, rank, size = self.process_group()
