@@ -103,6 +103,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def patch_on_import(module: str, patch: str) -> str:
+    """The source of a sitecustomize.py (its folder put first on PYTHONPATH) that runs ``patch`` right
+    after ``module`` is first imported, in every Python process that inherits the environment: a test's
+    hook into the processes a command starts. In ``patch``, ``module`` is the module just executed."""
+    import textwrap
+
+    return f"""
+import importlib.abc, importlib.util, sys
+
+
+class After(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != {module!r}:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+{textwrap.indent(textwrap.dedent(patch).strip(), " " * 12)}
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, After())
+"""
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module of this process (registered in sys.modules: its dataclasses need it), for
     a test that calls its functions or its main in-process: a process of its own costs torch's import. The

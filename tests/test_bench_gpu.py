@@ -28,7 +28,7 @@ import variants
 from harness import job as harness_job
 from harness.results import FIELDS, fit_exponents, latest, load_rows, untrusted
 
-from .conftest import ROOT, load_script
+from .conftest import ROOT, load_script, patch_on_import
 
 LABELS = ("full", "linear", "blockwise-local")  # few: each sweep is a process of its own
 SMOKE_N = (128, 256)
@@ -1013,35 +1013,19 @@ def signalled_job(tmp_path, env: dict[str, str], ready, send) -> str:
 
 # A sitecustomize (test_a_signal_to_the_gpu_job_...): every process of the job imports it; the one that measures
 # (python -m harness) sleeps in its second point, once HELD says so, until a signal ends the sleep.
-HOLD_AT_THE_SECOND_POINT = """
-import importlib.abc, importlib.util, pathlib, sys, time
+HOLD_AT_THE_SECOND_POINT = patch_on_import("harness.measure", """
+    import pathlib, time
 
+    measure_point, calls = module.measure_point, []
 
-class Hold(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "harness.measure":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            measure_point, calls = module.measure_point, []
-
-            def held(*args, **kwargs):
-                calls.append(1)
-                if len(calls) == 2:
-                    pathlib.Path(HELD).touch()
-                    time.sleep(120)
-                return measure_point(*args, **kwargs)
-            module.measure_point = held
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, Hold())
-"""
+    def held(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            pathlib.Path(HELD).touch()
+            time.sleep(120)
+        return measure_point(*args, **kwargs)
+    module.measure_point = held
+""")
 
 
 @pytest.mark.parametrize("group", [False, True], ids=["sigterm-to-the-script", "ctrl-c-to-its-group"])
