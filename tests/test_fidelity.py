@@ -184,3 +184,19 @@ def test_the_upstream_gradient_is_independent_of_inputs_drawn_with_the_same_seed
             corr = torch.corrcoef(torch.stack([up.flatten(), t.flatten()]))[0, 1].abs().item()
             assert corr < 0.05, (kind, seed, corr)
 
+
+
+def test_the_output_max_error_and_cosine_are_those_of_the_variants_output_against_the_exact_one():
+    """out_max_abs_err is the largest |o - o_ref| (not a mean) and out_cos the cosine of o against o_ref (not of o
+    with itself, which is 1 for any output): each checked against a direct computation on a perturbed output."""
+    q, k, v = inputs("gaussian", N=64)
+    attn = NoisyFull()
+    r = fidelity(attn, q, k, v, causal=False, block_size=16)
+    o = attn(q, k, v, causal=False).double()
+    ref = variants.build("full", backend="math")(q.double(), k.double(), v.double(), causal=False)
+    err = o - ref
+    assert err.abs().max() > 2 * err.abs().mean()  # max and mean far apart, so either slip shows
+    assert r["out_max_abs_err"] == pytest.approx(float(err.abs().max()), rel=1e-6)
+    cos = float(torch.nn.functional.cosine_similarity(o.flatten(), ref.flatten(), dim=0))
+    assert cos < 1 - 1e-7  # the perturbation is visible in the cosine
+    assert r["out_cos"] == pytest.approx(cos, abs=1e-12)
