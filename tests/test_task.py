@@ -88,6 +88,16 @@ def test_validation_names_the_numbers():
         mqar_batch(0, 64, 64, 8, 8, torch.Generator())
 
 
+def test_the_smallest_vocabulary_the_message_asks_for_is_accepted():
+    """The key check's bound: vocab_size = 2·(P+1) gives exactly P key tokens, which must be enough (a >= slip
+    refused it, contradicting its own "need vocab_size >= 18"); one less is refused."""
+    validate(seq_len=64, vocab_size=18, num_kv_pairs=8, num_queries=4)
+    x, _ = mqar_batch(4, 64, 18, 8, 4, torch.Generator().manual_seed(0))
+    assert all(len(set(row[0:16:2])) == 8 for row in x.tolist())
+    with pytest.raises(ValueError, match="need vocab_size >= 18; got vocab_size=17"):
+        validate(seq_len=64, vocab_size=17, num_kv_pairs=8, num_queries=4)
+
+
 @pytest.mark.parametrize("bad,match", [
     ({"seq_len": 10}, "seq_len=10 is too short"),
     ({"d_model": 30, "n_heads": 4}, "d_model=30 must be divisible by n_heads=4"),
