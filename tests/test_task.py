@@ -10,6 +10,7 @@ import torch
 import variants
 from harness.quality.model import TinyTransformer
 from harness.quality.mqar import IGNORE_INDEX, PAD, key_range, mqar_batch, no_recall_accuracy, validate, value_range
+from harness.quality import task
 from harness.quality.task import GPU_PRESET, PRESETS, MQARConfig, train_mqar
 
 SIZES = dict(seq_len=48, vocab_size=40, num_kv_pairs=8, num_queries=6)
@@ -207,3 +208,25 @@ def test_linear_trains_bidirectionally():
 def test_a_bad_variant_option_fails_before_training():
     with pytest.raises(variants.VariantError, match="unknown option 'windw'"):
         train_mqar("sliding_window", {"windw": 4}, TINY)
+
+
+def test_the_eval_set_shares_no_sequence_with_the_training_batches(monkeypatch):
+    """The eval set and the training data come from differently seeded generators: with the same seed (a slip in
+    make_eval_set or in train_mqar) the eval set would be the first training batch, and eval accuracy a train one."""
+    drawn = []  # (generator, inputs) of every batch train_mqar draws
+
+    def recording(batch_size, *sizes_and_generator):
+        inputs, targets = mqar_batch(batch_size, *sizes_and_generator)
+        drawn.append((sizes_and_generator[-1], inputs))
+        return inputs, targets
+
+    monkeypatch.setattr(task, "mqar_batch", recording)
+    cfg = dataclasses.replace(TINY, steps=3, eval_every=3, eval_size=TINY.batch_size)  # equal sizes: a full overlap
+    train_mqar("full", {}, cfg)
+    by_generator = {}
+    for gen, inputs in drawn:
+        by_generator.setdefault(id(gen), []).append(inputs)
+    (eval_set,), train = sorted(by_generator.values(), key=len)  # one eval draw, then a batch per step
+    assert len(train) == cfg.steps
+    seen = {tuple(row) for batch in train for row in batch.tolist()}
+    assert not seen & {tuple(row) for row in eval_set.tolist()}
