@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import variants
 from harness.quality.model import TinyTransformer
 from harness.quality.mqar import IGNORE_INDEX, PAD, key_range, mqar_batch, no_recall_accuracy, validate, value_range
 from harness.quality import task
-from harness.quality.task import GPU_PRESET, PRESETS, MQARConfig, train_mqar
+from harness.quality.task import GPU_PRESET, PRESETS, MQARConfig, evaluate, train_mqar
 
 SIZES = dict(seq_len=48, vocab_size=40, num_kv_pairs=8, num_queries=6)
 
@@ -230,3 +231,34 @@ def test_the_eval_set_shares_no_sequence_with_the_training_batches(monkeypatch):
     assert len(train) == cfg.steps
     seen = {tuple(row) for batch in train for row in batch.tolist()}
     assert not seen & {tuple(row) for row in eval_set.tolist()}
+
+
+class Recaller(torch.nn.Module):
+    """A perfect MQAR solver without learning: at every position, logits for the value paired with the token there
+    (if it is one of the sequence's keys), made wrong on purpose where the key is odd."""
+
+    def __init__(self, vocab_size: int, num_kv_pairs: int):
+        super().__init__()
+        self.V, self.P = vocab_size, num_kv_pairs
+        self.unused = torch.nn.Parameter(torch.zeros(()))  # evaluate reads the device from a parameter
+
+    def forward(self, x):
+        keys, vals = x[:, 0:2 * self.P:2], x[:, 1:2 * self.P:2]
+        answer = ((x[:, :, None] == keys[:, None, :]) * vals[:, None, :]).sum(-1)  # (b, N); 0 off the keys
+        answer = torch.where(x % 2 == 1, (answer + 1) % self.V, answer)  # odd keys: a wrong token
+        return 10.0 * torch.nn.functional.one_hot(answer, self.V).float()
+
+
+def test_eval_accuracy_counts_the_query_positions_only():
+    """evaluate's accuracy is the share of query positions (target != IGNORE_INDEX) answered right, whatever the
+    batching: counting other positions (the keys or the values of the pairs, PAD) would dilute it."""
+    x, y = batch(seed=2, B=20)
+    asked = y != IGNORE_INDEX
+    even = int((x[asked] % 2 == 0).sum())  # the queries the Recaller answers right
+    assert 0 < even < int(asked.sum())
+    r = evaluate(Recaller(SIZES["vocab_size"], SIZES["num_kv_pairs"]), x, y, batch_size=7)  # 7: a ragged last batch
+    assert r["eval_accuracy"] == pytest.approx(even / int(asked.sum()))
+    V = SIZES["vocab_size"]  # logits: 10 on the answer, 0 on the V - 1 others
+    right, wrong = math.log(1 + (V - 1) * math.exp(-10)), math.log(math.exp(10) + V - 1)
+    n = int(asked.sum())
+    assert r["eval_loss"] == pytest.approx((even * right + (n - even) * wrong) / n, rel=1e-5)
