@@ -12,7 +12,7 @@ import variants
 from harness.quality.model import TinyTransformer
 from harness.quality.mqar import IGNORE_INDEX, PAD, key_range, mqar_batch, no_recall_accuracy, validate, value_range
 from harness.quality import task
-from harness.quality.task import GPU_PRESET, PRESETS, MQARConfig, evaluate, train_mqar
+from harness.quality.task import GPU_PRESET, PRESETS, MQARConfig, evaluate, lr_at, train_mqar
 
 SIZES = dict(seq_len=48, vocab_size=40, num_kv_pairs=8, num_queries=6)
 
@@ -262,3 +262,12 @@ def test_eval_accuracy_counts_the_query_positions_only():
     right, wrong = math.log(1 + (V - 1) * math.exp(-10)), math.log(math.exp(10) + V - 1)
     n = int(asked.sum())
     assert r["eval_loss"] == pytest.approx((even * right + (n - even) * wrong) / n, rel=1e-5)
+
+
+def test_the_learning_rate_warms_up_from_the_first_step_and_decays_to_a_tenth():
+    """lr_at(0) is lr/warmup_steps, not 0 (an off-by-one makes the first step a no-op), reaches lr at the end of
+    the warm-up, and the cosine ends at lr/10 at the last step."""
+    cfg = dataclasses.replace(TINY, lr=1e-3, warmup_steps=4, steps=24)
+    assert [lr_at(s, cfg) for s in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert lr_at(4, cfg) == pytest.approx(1e-3) and lr_at(14, cfg) == pytest.approx(0.55e-3)
+    assert lr_at(24, cfg) == pytest.approx(1e-4) and lr_at(100, cfg) == pytest.approx(1e-4)
