@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import platform
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -126,6 +128,38 @@ def test_code_version_is_the_commit_and_dirty_only_for_code(tmp_path, monkeypatc
     # Set, it is what the copier says even over git's metadata: a copied .git can be older than the tree
     monkeypatch.setattr(envmod, "ROOT", tmp_path)
     assert code_version() == "0123abcd"
+
+
+def test_memory_facts_are_the_kernels_kib_in_bytes():
+    """/proc/meminfo's "kB" are KiB: MemTotal in bytes is the physical pages times the page size, exactly (a
+    factor of 1000 would understate every memory budget and MemTotal check by 2.4%)."""
+    if not os.path.exists("/proc/meminfo"):
+        pytest.skip("no /proc/meminfo")
+    assert envmod.mem_total_bytes() == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < envmod.mem_available_bytes() <= envmod.mem_total_bytes()
+
+
+def test_other_load_counts_the_machines_busy_cores_less_this_process(monkeypatch):
+    """OtherLoad is the cores others kept busy: the machine's busy time (/proc/stat) less this process's own CPU
+    time, over the wall time; without the subtraction the timed code itself would read as others' load."""
+    tick = os.sysconf("SC_CLK_TCK")
+    samples = iter([(100.0, 10 * tick, 5.0), (102.0, 13 * tick, 6.0)])  # (monotonic, busy ticks, own CPU s)
+    now = {}
+
+    def fake_open(path, *args, **kwargs):
+        assert path == "/proc/stat"
+        t, busy, own = next(samples)
+        now.update(t=t, own=own)
+        return io.StringIO(f"cpu  {busy} 0 0 999999 0 0 0 0 0 0\n")
+
+    monkeypatch.setattr(envmod, "open", fake_open, raising=False)
+    with monkeypatch.context() as m:
+        m.setattr(envmod.time, "monotonic", lambda: now["t"])
+        m.setattr(envmod.os, "times", lambda: types.SimpleNamespace(user=now["own"], system=0.0))
+        load = envmod.OtherLoad()
+        load.start()
+        others = load.stop()
+    assert others == pytest.approx((3.0 - 1.0) / 2.0)  # 3 busy core-seconds, 1 of them ours, over 2 s
 
 
 # ----- the command line ------------------------------------------------------------------------------
