@@ -20,7 +20,7 @@ from harness import run as runmod
 from harness.env import code_version
 from harness.memory import cpu_peak_bytes
 from harness.results import FIELDS, fit_exponents, latest, read_jsonl, series_key
-from harness.config import ConfigError, variant_names
+from harness.config import ConfigError, settings_from_config, variant_names
 from harness.run import run, validate
 import variants
 from variants import VariantError
@@ -599,6 +599,15 @@ def test_config_yaml_documents_every_key_run_accepts():
     assert groups | {k for k in config if k not in ("defaults", "hydra")} == set(TOP_KEYS)
     assert list(config.measure) == list(MEASURE_KEYS)
     assert list(config.fidelity) == list(FIDELITY_KEYS)
+
+
+def test_the_largest_seed_is_accepted_as_the_message_says():
+    """A seed is allowed "from 0 to 2**63-1": both ends pass, for the sweep's seed and the task's (a < slip at the
+    top, or at 0, refused a value the refusal's own message allows)."""
+    top = 2**63 - 1
+    for seed in (0, top):
+        settings = settings_from_config(compose_cfg(f"seed={seed}", "task=mqar", f"task.seed={seed}"))
+        assert settings.seed == seed and settings.task["seed"] == seed
 
 
 def test_linear_share_none_gets_num_heads_from_the_workload():
