@@ -185,7 +185,7 @@ BAD_INPUTS = [
     (["variant=foo"], ["'foo'", "allowed", "blockwise", "sliding_window"]),
     (["seq_len=0"], ["seq_len", "> 0"]),
     (["seq_len=abc"], ["seq_len", "integer"]),
-    (["dtype=float64"], ["dtype", "float32", "float16", "bfloat16"]),
+    (["dtype=float64"], ["dtype", "allowed: float32, float16, bfloat16"]),
     (["variant=linear", "causal=true"], ["linear", "causal"]),
     (["variant=sliding_window", "+variant.windw=3"], ["windw", "allowed", "window"]),
     (["variant=sliding_window", "variant.windw=3"], ["windw", "allowed", "window"]),
