@@ -166,3 +166,20 @@ def test_a_second_invocation_into_a_job_held_is_refused_in_one_line(tmp_path, ca
     finally:
         lock.release()
     Job(tmp_path).hold().release()  # free again
+
+
+def test_a_failed_step_is_run_once_more_at_once_and_then_recorded_failed(tmp_path):
+    """A step whose process fails (a crash, a lost CUDA context) is run again at once in a new process, once:
+    two tries, then its exit recorded in state.json. Catches the retry dropped (or made endless)."""
+    tries = tmp_path / "tries"
+
+    class Failing(Job):
+        def command(self, step, overrides=None, sweep_dir=None):
+            return ["-c", f"import pathlib, sys; p = pathlib.Path({str(tries)!r}); "
+                          "p.write_text(p.read_text() + 'x' if p.exists() else 'x'); sys.exit(1)"]
+
+    said: list[str] = []
+    job = Failing(tmp_path, budget_s=600, log=said.append)
+    job.run([Step("own", "own")])
+    assert tries.read_text() == "xx", said
+    assert job.state == {"own": "exit 1"} and "[own] exit 1: once more, resuming" in said
