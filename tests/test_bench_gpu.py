@@ -1213,3 +1213,33 @@ def test_an_overhead_faster_than_raw_misses_and_a_case_disturbed_in_one_pass_is_
     assert summary.case_disturbed(shaken) and not summary.case_disturbed(case(0.01))
     t = judged(shaken)
     assert (t["status"], t["value"]) == ("not measured", None) and "fwd: disturbed, not judged" in t["detail"], t
+
+
+def test_part_overhead_records_the_median_harness_run_over_the_median_raw_timing(tmp_path, monkeypatch):
+    """part_overhead itself (not the summary reading its file): harness runs of 1.0, 1.1 and 1.5 ms against raw
+    timings of 1.0 ms are a +10% overhead, the median run over the raw median. The harness runs are stand-ins
+    (no sweep): in-process and quick. Catches the mean taken for the median, and the ratio turned over (raw
+    over harness), and a round measured again though its raw timings agree."""
+    import types
+
+    from harness import run as harness_run
+
+    bench, kernels, summary = load_bench()
+    plan = dataclasses.replace(bench.SMOKE_PLAN, overhead_rounds=3)  # a steady round is not measured again
+    ctx = bench.Context(plan, tmp_path, torch.device("cpu"), None, print, ["linear"])
+    runs = iter([1.0, 1.1, 1.5])
+
+    def fake_run(cfg, output_dir):
+        ms = next(runs)
+        record = {"fwd_ms": ms, "fwd_bwd_ms": ms, "fwd_iqr_ms": 0.001, "fwd_bwd_iqr_ms": 0.001}
+        return types.SimpleNamespace(rows=[types.SimpleNamespace(record=lambda: record)])
+
+    monkeypatch.setattr(harness_run, "run", fake_run)
+    monkeypatch.setattr(kernels, "raw_timer", lambda device: lambda fn, rep, grads: 1.0)
+    assert kernels.part_overhead(ctx) == 0
+    ov = json.loads((tmp_path / "d" / "overhead.json").read_text())
+    (lin,) = [c for c in ov["cases"] if c["variant"] == "linear"]
+    assert lin["status"] == "ok" and "earlier_rounds" not in lin, lin
+    for p in ("fwd", "fwd_bwd"):
+        assert lin[p]["harness_runs_ms"] == [1.0, 1.1, 1.5] and lin[p]["raw_ms"] == [1.0] * 4, lin[p]
+        assert lin[p]["harness_ms"] == pytest.approx(1.1) and lin[p]["overhead"] == pytest.approx(0.1), lin[p]
