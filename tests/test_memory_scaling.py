@@ -105,6 +105,23 @@ BOUND_CASES = [("blockwise", {"block_size": 128}), ("blockwise", {"mode": "local
                ("adaptive_span", {"max_span": 1024, "num_heads": 4})]  # band as wide as N: chunks against the N keys
 
 
+def peaks_and_figures(attn, causal: bool):
+    """((B, H, N, D, dtype), measured CPU peak, analytic figure) of one forward+backward at each shape (N a
+    multiple of the blocks and not) and dtype (float32, bfloat16) the bound tests use."""
+    for b, h, n, d in [(1, 4, 1100, 64), (2, 4, 640, 32)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (t.to(dtype).detach().requires_grad_() for t in qkv(b, h, n, d, seed=n))
+            grad = torch.randn(b, h, n, d, dtype=dtype)
+
+            def step():
+                attn(q, k, v, causal=causal).backward(grad)
+                q.grad = k.grad = v.grad = None
+
+            step()
+            element_size = torch.empty((), dtype=dtype).element_size()
+            yield (b, h, n, d, dtype), cpu_peak_bytes(step), attn.memory_bytes(b, h, n, d, element_size, causal=causal)
+
+
 @pytest.mark.parametrize("name,options", BOUND_CASES, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.values())))
 def test_analytic_memory_bounds_the_measured_peak(name, options):
     """The analytic figure (the CPU budget's skip rule and fit.json's theory) is an upper bound of the
@@ -112,20 +129,8 @@ def test_analytic_memory_bounds_the_measured_peak(name, options):
     tensor, docs/measurement.md), and a close one, in float32 and bfloat16 (the engine's and reformer's float32 tiles and
     accumulators, SDPA math's float32 scores), N a multiple of the blocks or not (padded copies), one head
     or several (tiles of one or many rows), with the bool masks the dense paths keep."""
-    attn = variants.build(name, **options)
-    for b, h, n, d in [(1, 4, 1100, 64), (2, 4, 640, 32)]:  # padded and not
-        for dtype in (torch.float32, torch.bfloat16):
-            q, k, v = (t.to(dtype).detach().requires_grad_() for t in qkv(b, h, n, d, seed=n))
-            grad = torch.randn(b, h, n, d, dtype=dtype)
-
-            def step():
-                attn(q, k, v, causal=True).backward(grad)
-                q.grad = k.grad = v.grad = None
-
-            step()
-            measured = cpu_peak_bytes(step)
-            analytic = attn.memory_bytes(b, h, n, d, torch.empty((), dtype=dtype).element_size(), causal=True)
-            assert measured <= analytic + 8 and analytic <= 1.3 * measured, (b, h, n, d, dtype, measured, analytic)
+    for case, measured, analytic in peaks_and_figures(variants.build(name, **options), causal=True):
+        assert measured <= analytic + 8 and analytic <= 1.3 * measured, (*case, measured, analytic)
 
 
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
@@ -136,19 +141,8 @@ def test_linear_analytic_memory_bounds_the_measured_peak(backend, share):
     and F[:, :N] are cast from float32, copies the backward keeps, per head with share=none: uncounted, the
     peak exceeded the bound (44.3 MB against 38.3 at B=1, H=4, N=4096, D=64, math)."""
     attn = variants.build("linear", backend=backend, share=share, num_heads=4).requires_grad_(False)
-    for b, h, n, d in [(1, 4, 1100, 64), (2, 4, 640, 32)]:
-        for dtype in (torch.float32, torch.bfloat16):
-            q, k, v = (t.to(dtype).detach().requires_grad_() for t in qkv(b, h, n, d, seed=n))
-            grad = torch.randn(b, h, n, d, dtype=dtype)
-
-            def step():
-                attn(q, k, v).backward(grad)
-                q.grad = k.grad = v.grad = None
-
-            step()
-            measured = cpu_peak_bytes(step)
-            analytic = attn.memory_bytes(b, h, n, d, torch.empty((), dtype=dtype).element_size())
-            assert measured <= analytic, (b, h, n, d, dtype, measured, analytic)
+    for case, measured, analytic in peaks_and_figures(attn, causal=False):
+        assert measured <= analytic, (*case, measured, analytic)
 
 
 def test_a_cpu_peak_imports_no_compiler():
