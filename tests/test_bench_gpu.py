@@ -852,7 +852,6 @@ def test_the_overhead_is_the_median_harness_run_over_the_median_raw_timing(tmp_p
                                        "after each, 1.054, 1.053 ms)"
 
 
-
 def test_an_overhead_case_whose_raw_timings_disagree_is_not_judged(tmp_path):
     """The H200's linear `sdpa` forward: raw timings 0.3555, 0.4761, 0.3567 and 0.4837 ms around three
     harness runs, so the median raw timing fell between two states 33% apart; the target said "missed,
@@ -1192,7 +1191,6 @@ def test_each_target_is_judged_on_its_worst_or_best_row_in_the_right_direction_a
     assert (t["status"], t["gap"]) == ("missed", "+0.050 above 1.600"), t
     t = judged(summary.exponent_targets, a[:-1])[0]["exponent_linear"]  # math's hi still to come
     assert (t["status"], t["value"]) == ("not measured", None) and t["detail"].endswith("not yet measured: math"), t
-
 
 
 def test_part_overhead_records_the_median_harness_run_over_the_median_raw_timing(tmp_path, monkeypatch):

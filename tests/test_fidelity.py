@@ -185,7 +185,6 @@ def test_the_upstream_gradient_is_independent_of_inputs_drawn_with_the_same_seed
             assert corr < 0.05, (kind, seed, corr)
 
 
-
 def test_the_output_max_error_and_cosine_are_those_of_the_variants_output_against_the_exact_one():
     """out_max_abs_err is the largest |o - o_ref| (not a mean) and out_cos the cosine of o against o_ref (not of o
     with itself, which is 1 for any output): each checked against a direct computation on a perturbed output."""

@@ -155,7 +155,6 @@ def test_a_cpu_peak_imports_no_compiler():
     assert out.split() == [str(1000 * 1000 * 4), "False", "False"], out
 
 
-
 def test_a_points_analytic_memory_counts_the_parameter_gradients_it_measures(tmp_path):
     """With measure.param_grads the backward allocates the gradients of linear's E and F (proj_dim ×
     max_seq_len each, whatever N): 2 MiB here, more than the rest of the peak, which the point's analytic
