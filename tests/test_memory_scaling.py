@@ -135,14 +135,18 @@ def test_analytic_memory_bounds_the_measured_peak(name, options):
 
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
 @pytest.mark.parametrize("share", ["headwise", "none"])
-def test_linear_analytic_memory_bounds_the_measured_peak(backend, share):
-    """linear's analytic figure bounds its peak, both backends, float32 and bfloat16, but loosely (up to
-    about 6× with sdpa, whose scores it counts too: docs/measurement.md). In bfloat16 the slices E[:, :N]
-    and F[:, :N] are cast from float32, copies the backward keeps, per head with share=none: uncounted, the
-    peak exceeded the bound (44.3 MB against 38.3 at B=1, H=4, N=4096, D=64, math)."""
-    attn = variants.build("linear", backend=backend, share=share, num_heads=4).requires_grad_(False)
+@pytest.mark.parametrize("proj_dim", [256, 8])
+def test_linear_analytic_memory_bounds_the_measured_peak(backend, share, proj_dim):
+    """linear's analytic figure bounds its peak, both backends, float32 and bfloat16, at both of its peaks:
+    the softmax backward over the N×k scores (k = 256) and the projections' backward (k = 8: five
+    (B, H, N, D) there, the einsum's permuted copies among them). For math a close bound (it counted
+    6·N·D and more before: up to 1.9×); sdpa's fused kernel keeps no N×k scores, and its figure, math's,
+    is a loose one (docs/measurement.md). In bfloat16 the slices E[:, :N] and F[:, :N] are cast from
+    float32, copies the backward keeps, per head with share=none: uncounted, the peak exceeded the bound
+    (44.3 MB against 38.3 at B=1, H=4, N=4096, D=64, math)."""
+    attn = variants.build("linear", backend=backend, share=share, num_heads=4, proj_dim=proj_dim).requires_grad_(False)
     for case, measured, analytic in peaks_and_figures(attn, causal=False):
-        assert measured <= analytic, (*case, measured, analytic)
+        assert measured <= analytic and (backend == "sdpa" or analytic <= 1.3 * measured), (*case, measured, analytic)
 
 
 def test_a_cpu_peak_imports_no_compiler():

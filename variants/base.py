@@ -61,6 +61,12 @@ class Flops:
     useful: int
 
 
+def score_tensors(device: torch.device | str | None) -> int:
+    """Score-sized tensors a dense path holds at its softmax backward: P, dP, dS; on CUDA also dP ∘ P
+    (Attention.memory_bytes says why)."""
+    return 4 if device is not None and torch.device(device).type == "cuda" else 3
+
+
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """softmax(q kᵀ·scale, masked to -inf where ``mask`` is False) v, materialising the N×N scores.
 
@@ -261,8 +267,7 @@ class Attention(nn.Module):
         # dP ∘ P as a tensor of its own (softmax_backward_cuda_out's ``tmp = grad * output``): four,
         # measured so on an H100 (4.00·N², results/gpu/). Plus the bool mask the dense path saves
         # (masked_fill keeps its negation). Variants with their own structure override this.
-        scores = 4 if device is not None and torch.device(device).type == "cuda" else 3
-        return (element_size * B * H * (scores * self.executed_pairs(N, causal) + 2 * N * D)
+        return (element_size * B * H * (score_tensors(device) * self.executed_pairs(N, causal) + 2 * N * D)
                 + self.mask_bytes(B, H, N, causal))
 
     def mask_bytes(self, B: int, H: int, N: int, causal: bool) -> int:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Attention, Flops, dense_attention, require, require_seed, whole
+from .base import Attention, Flops, dense_attention, require, require_seed, score_tensors, whole
 
 SHARING = ("headwise", "kv", "none")
 
@@ -76,11 +76,21 @@ class Linear(Attention):
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
                      device: torch.device | str | None = None) -> int:
-        k = self.options.proj_dim
+        """The larger of two peaks, each measured to the byte on CPU at some shape and an upper bound at
+        the others (tests/test_memory_scaling.py)."""
+        o, k = self.options, self.options.proj_dim
         # E[:, :N] and F[:, :N] cast to the inputs' dtype where it is not theirs (float32): copies the
         # backward keeps, (k, N) each, or (H, k, N) with share=none
-        copies = 0 if element_size == 4 else element_size * k * N * (H if self.options.share == "none" else 1) * 2
-        return element_size * B * H * (3 * N * k + 4 * k * D + 6 * N * D) + copies
+        copies = 0 if element_size == 4 else element_size * k * N * (H if o.share == "none" else 1) * 2
+        # The softmax backward over the N×k scores, as dense attention's over N×N (Attention.memory_bytes):
+        # P, dP, dS (CUDA: and dP ∘ P), the output and K̃, Ṽ, and the 0-dim float64 of the scale. sdpa's
+        # fused kernel keeps no scores: for it an upper bound, room for its per-thread workspaces.
+        attention = element_size * B * H * (score_tensors(device) * N * k + N * D + 2 * k * D) + copies + 8
+        # The projections' backward (dk = E[:, :N]ᵀ dK̃, dv = Fᵀ dṼ): dq, dk, dv and the einsum's permuted
+        # copies, up to five (B, H, N, D); with shared E, F a transposed copy of each cast slice too; and
+        # small host tensors (80 bytes measured at B=2, H=2, N=777, D=16, k=8 in bfloat16).
+        projection = element_size * B * H * 5 * N * D + copies * (1 if o.share == "none" else 2) + 128
+        return max(attention, projection)
 
     def projections(self, seq_len: int, num_heads: int) -> tuple[Tensor, Tensor]:
         """E[:, :N], F[:, :N] as (k, N), or with share=none the call's heads' (H, k, N) (those of its head
