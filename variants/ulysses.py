@@ -15,6 +15,7 @@ sum over the ranks is the whole gradient). Needs H % P == 0. Memory per rank: th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -150,8 +151,7 @@ def seq_to_heads(x: Tensor, attn: Ulysses, group, rank: int, lengths: list[int])
     send = x.unflatten(-3, (P, H // P)).movedim(-4, 0).contiguous()  # (P, ..., H/P, n, D)
     per_piece = send[0].numel() // n
     recv = x.new_empty(per_piece * sum(lengths))
-    dist.all_to_all_single(recv, send.reshape(-1), [per_piece * m for m in lengths], [send[0].numel()] * P,
-                           group=group)
+    all_to_all(recv, send, [per_piece * m for m in lengths], [send[0].numel()] * P, group)
     attn.bytes_sent += (send.numel() - send[rank].numel()) * send.element_size()
     pieces = recv.split([per_piece * m for m in lengths])
     return torch.cat([p.view(*lead, H // P, m, D) for p, m in zip(pieces, lengths)], dim=-2)
@@ -164,9 +164,26 @@ def heads_to_seq(x: Tensor, attn: Ulysses, group, rank: int, lengths: list[int])
     pieces = [p.reshape(-1) for p in x.split(lengths, dim=-2)]  # rank p's positions, (..., h, n_p, D) each
     send = torch.cat(pieces)
     recv = x.new_empty(P * pieces[rank].numel())
-    dist.all_to_all_single(recv, send, [pieces[rank].numel()] * P, [p.numel() for p in pieces], group=group)
+    all_to_all(recv, send, [pieces[rank].numel()] * P, [p.numel() for p in pieces], group)
     attn.bytes_sent += (send.numel() - pieces[rank].numel()) * send.element_size()
     return recv.view(P, *lead, h, lengths[rank], D).movedim(0, -4).flatten(-4, -3)  # (..., H, n_rank, D)
+
+
+def all_to_all(recv: Tensor, send: Tensor, recv_splits: list[int], send_splits: list[int], group) -> None:
+    """``dist.all_to_all_single`` of two contiguous buffers, which on the CPU returns once gloo has let go of
+    them. gloo's worker thread holds a finished operation's tensors until it next runs, and a buffer whose
+    last reference it drops is freed there, unseen by the profiler that measures the CPU peak: the peak then
+    counted it held to the end of the call (about one call in five on 2 cores; 6.5 to 10 MiB at P=4,
+    N=2048, docs/sequence-parallel.md). So gloo gets views of its own, and this waits (a few yields) until
+    the storage is ours alone again: each buffer is freed where this code drops it, and the peak repeats."""
+    ours = [storage_refs(t) for t in (recv, send)]
+    dist.all_to_all_single(recv.view(-1), send.view(-1), recv_splits, send_splits, group=group)
+    while recv.device.type == "cpu" and [storage_refs(t) for t in (recv, send)] != ours:
+        os.sched_yield()
+
+
+def storage_refs(t: Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)  # tensors holding t's storage, views too
 
 
 class AllToAll(torch.autograd.Function):
