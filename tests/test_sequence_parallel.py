@@ -72,6 +72,7 @@ def every_check(rank, P, out_path):
     checks = {"float64": lambda: check_against_reference(rank, P, RING_CASES + ULYSSES_CASES, torch.float64),
               "float32": lambda: check_against_reference(rank, P, RING_CASES[1:2] + RING_CASES[3:], torch.float32),
               "peak": lambda: measure_peak(rank, P),
+              "ulysses_peak": lambda: ulysses_peaks(rank, P),
               "indivisible": lambda: ulysses_indivisible(rank, P)}
     results = {}
     for name, check in checks.items():
@@ -182,18 +183,22 @@ def test_zigzag_balances_causal_work():
     assert max(zz) == min(zz) and max(cont) > 3 * min(cont)
 
 
-def measure_peak(rank, P):
-    """Peak bytes of one ring forward+backward in this rank (N=1024, float32), as the harness measures."""
-    attn = variants.build("ring", world_size=P, layout="zigzag")
-    whole = (*qkv(1, 2, 1024, 32, torch.float32, 5), torch.randn(1, 2, 1024, 32))
-    q, k, v, g = (shard(t.detach(), rank, P, "zigzag").contiguous() for t in whole)
+def measure_peak(rank, P, attn=None, shape=(1, 2, 1024, 32), dtype=torch.float32, causal=False):
+    """Peak bytes of one forward+backward in this rank, as the harness measures (the warm-up's gradients
+    cleared first), on its shard of (B, H, N, D); ``attn``: ring zigzag unless given. P=1: the whole
+    sequence in one process, as a single-device variant runs."""
+    attn = attn or variants.build("ring", world_size=P, layout="zigzag")
+    layout = getattr(attn, "layout_name", "contiguous")
+    whole = (*qkv(*shape, dtype, 5), torch.randn(shape).to(dtype))
+    q, k, v, g = (shard(t.detach(), rank, P, layout).contiguous() for t in whole)
     for t in (q, k, v):
         t.requires_grad_()
 
     def fwd_bwd():
-        attn(q, k, v, causal=False).backward(g)
+        attn(q, k, v, causal=causal).backward(g)
 
     fwd_bwd()  # warm-up
+    q.grad = k.grad = v.grad = None
     return cpu_peak_bytes(fwd_bwd)
 
 
@@ -214,6 +219,49 @@ def test_ring_analytic_memory_bounds_each_ranks_measured_peak(ranks):
     for P, per_rank in peaks.items():
         analytic = variants.build("ring", world_size=P, layout="zigzag").memory_bytes(1, 2, 1024, 32, 4, False)
         assert max(per_rank) <= analytic + 64 and analytic <= 1.5 * max(per_rank), (P, per_rank, analytic)
+
+
+ULYSSES_PEAK = (2, 6, 131, 8)  # (B, H, N, D): N a multiple of neither P = 2, 3 nor a block
+ULYSSES_PEAK_CASES = [(options, dtype, causal) for options, dtypes in [
+    ({"inner": "full", "backend": "math"}, (torch.float32, torch.bfloat16)),
+    ({"inner": "full"}, (torch.float32,)),  # bfloat16: full's fused figure leaves out SDPA's CPU workspace
+    ({"inner": "blockwise", "inner_options": {"block_size": 16}}, (torch.float32, torch.bfloat16)),
+    ({"inner": "sliding_window", "inner_options": {"window": 5, "global_tokens": 2}}, (torch.float32, torch.bfloat16)),
+] for dtype in dtypes for causal in (False, True)]
+
+
+def ulysses_peaks(rank, P):
+    """Per case: this rank's peak, and the inner variant's alone on one head shard's whole sequence."""
+    B, H, N, D = ULYSSES_PEAK
+    peaks = []
+    for options, dtype, causal in ULYSSES_PEAK_CASES:
+        attn = variants.build("ulysses", world_size=P, **options).to(dtype)
+        peaks.append((measure_peak(rank, P, attn, ULYSSES_PEAK, dtype, causal),
+                      measure_peak(0, 1, attn.wrapped, (B, H // P, N, D), dtype, causal)))
+    return peaks
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_ulysses_analytic_memory_bounds_each_ranks_measured_peak(ranks, P):
+    """ulysses' figure, its inner variant's on H/P heads beside the buffers ulysses holds (at the inner's peak
+    or at the last all-to-all, whichever is larger), bounds every rank's peak, and exceeds it by what the
+    inner's own figure exceeds the inner's peak alone, to the byte but for: a dense inner's two head shards
+    (it frees its output and dO before its softmax backward), the shard lengths' P + 1 int64 (counted: gloo's
+    thread may free them unseen) and, on a rank with a shorter shard, 7 rows of B·H·D. The old figure, the
+    inner's plus 16 shard buffers, was 1.22 to 1.50x the peak here; and before the all-to-all waited for gloo
+    to let go of its buffers, a call's peak could hold buffers already freed (ulysses.all_to_all)."""
+    B, H, N, D = ULYSSES_PEAK
+    lengths = [sum(e - s for s, e in runs) for runs in shard_runs(N, P, "contiguous")]
+    for (options, dtype, causal), per_rank in zip(ULYSSES_PEAK_CASES, zip(*passed(ranks(P), "ulysses_peak"))):
+        attn = variants.build("ulysses", world_size=P, **options)
+        size = torch.empty((), dtype=dtype).element_size()
+        analytic = attn.memory_bytes(B, H, N, D, size, causal)
+        over = attn.wrapped.memory_bytes(B, H // P, N, D, size, causal) - per_rank[0][1]  # the inner's own
+        dense = 2 * size * B * (H // P) * N * D if options.get("backend") == "math" else 0
+        for rank, (peak, _) in enumerate(per_rank):
+            shorter = 7 * size * B * H * D * (lengths[0] - lengths[rank])
+            assert peak <= analytic + 8 and analytic - peak <= max(over + dense, 0) + 8 * (P + 1) + shorter, (
+                options, dtype, causal, rank, peak, analytic, over)
 
 
 def test_bad_options():

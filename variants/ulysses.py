@@ -10,7 +10,7 @@ adaptive_span's spans z_h, linear share=none's E_h, F_h) and the whole computes 
 variant's function; a second all-to-all turns its output back into sequence shards. The backward is the
 same two all-to-alls reversed; a per-head parameter's gradient lands on the rank holding that head (their
 sum over the ranks is the whole gradient). Needs H % P == 0. Memory per rank: the inner variant's at
-(B, H/P, N, D).
+(B, H/P, N, D) beside q, k, v, o in head layout, or the last all-to-all's buffers (``memory_bytes``).
 """
 
 from __future__ import annotations
@@ -111,12 +111,30 @@ class Ulysses(SequenceParallel):
 
     def memory_bytes(self, B: int, H: int, N: int, D: int, element_size: int = 4, causal: bool = False,
                      device: torch.device | str | None = None) -> int:
-        """Per rank: the inner variant's at H/P heads, plus the all-to-all buffers (q, k, v, o and their
-        gradients in both layouts)."""
+        """Per rank (rank 0's shard, the longest: n = ⌈N/P⌉), the larger of the two moments that can hold the
+        peak: the inner variant's own peak on its head shard, and the last all-to-all (q, k, v's gradients
+        back to sequence shards). Measured on gloo: tests/test_sequence_parallel.py."""
         P = self.options.world_size
         heads = max(1, H // P)
-        return (self.wrapped.memory_bytes(B, heads, N, D, element_size, causal, device)
-                + element_size * B * H * -(-N // P) * D * 16)
+        inner = self.wrapped.memory_bytes(B, heads, N, D, element_size, causal, device)
+        if P == 1:
+            return inner  # no group: the inner variant on every head, nothing exchanged
+        shard = element_size * B * H * -(-N // P) * D  # one (B, H, n, D): our output, or dq, dk or dv
+        head = element_size * B * heads * N * D  # one (B, H/P, N, D): a head shard of q, k, v, o or dO
+        # The inner's peak (its figure counts its own output), beside its inputs q, k, v (one (3, B, H/P, N, D)
+        # buffer), its backward's input dO in head layout (out of its figure) and our output, which the
+        # caller holds through the backward. Exact where the inner keeps its output and dO to the end of its
+        # backward (SDPA, the block-sparse engine); a dense inner frees both before its softmax backward,
+        # two head shards under this.
+        during = inner + 3 * head + head + shard
+        # The last all-to-all, heads_to_seq of q, k, v's gradient (3, B, H/P, N, D): that gradient, its
+        # pieces per rank (copies: a split of it along N is no view) and their concatenation to send; the
+        # (3, B, H, n, D) received and its reordering into dq, dk, dv (a copy: the stacked layout is no view of
+        # it); our output.
+        last = 3 * 3 * head + 2 * 3 * shard + shard
+        # The shard lengths' all-gather, P + 1 int64 (seqpar.shard_lengths): gloo's thread may be the one to
+        # free them, unseen by the profiler.
+        return max(during, last) + 8 * (P + 1)
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
         return self.wrapped.reference(q, k, v, causal)
