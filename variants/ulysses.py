@@ -128,11 +128,11 @@ class Ulysses(SequenceParallel):
         # backward (SDPA, the block-sparse engine); a dense inner frees both before its softmax backward,
         # two head shards under this.
         during = inner + 3 * head + head + shard
-        # The last all-to-all, heads_to_seq of q, k, v's gradient (3, B, H/P, N, D): that gradient, its
-        # pieces per rank (copies: a split of it along N is no view) and their concatenation to send; the
+        # The last all-to-all, heads_to_seq of q, k, v's gradient (3, B, H/P, N, D): that gradient and the
+        # buffer sent (its pieces per rank end to end: a copy, a split along N being no view); the
         # (3, B, H, n, D) received and its reordering into dq, dk, dv (a copy: the stacked layout is no view of
         # it); our output.
-        last = 3 * 3 * head + 2 * 3 * shard + shard
+        last = 2 * 3 * head + 2 * 3 * shard + shard
         # The shard lengths' all-gather, P + 1 int64 (seqpar.shard_lengths): gloo's thread may be the one to
         # free them, unseen by the profiler.
         return max(during, last) + 8 * (P + 1)
@@ -180,11 +180,14 @@ def heads_to_seq(x: Tensor, attn: Ulysses, group, rank: int, lengths: list[int])
     """The inverse of ``seq_to_heads``: (..., H/P, N, D) -> (..., H, n_rank, D)."""
     P = len(lengths)
     lead, (h, _, D) = x.shape[:-3], x.shape[-3:]
-    pieces = [p.reshape(-1) for p in x.split(lengths, dim=-2)]  # rank p's positions, (..., h, n_p, D) each
-    send = torch.cat(pieces)
-    recv = x.new_empty(P * pieces[rank].numel())
-    all_to_all(recv, send, [pieces[rank].numel()] * P, [p.numel() for p in pieces], group)
-    attn.bytes_sent += (send.numel() - pieces[rank].numel()) * send.element_size()
+    # Rank p's positions, (..., h, n_p, D) each, laid end to end: copied once, straight into the buffer sent
+    sizes = [x[..., :m, :].numel() for m in lengths]
+    send = x.new_empty(sum(sizes))
+    for piece, out in zip(x.split(lengths, dim=-2), send.split(sizes)):
+        out.view(piece.shape).copy_(piece)
+    recv = x.new_empty(P * sizes[rank])
+    all_to_all(recv, send, [sizes[rank]] * P, sizes, group)
+    attn.bytes_sent += (send.numel() - sizes[rank]) * send.element_size()
     return recv.view(P, *lead, h, lengths[rank], D).movedim(0, -4).flatten(-4, -3)  # (..., H, n_rank, D)
 
 
