@@ -7,8 +7,8 @@ token embedding + positions → ``n_layers`` × [x + Conv(LN(x)); x + Attn(LN(x)
 - positions: ``learned`` (added table), ``sinusoidal`` (added fixed table) or ``rope`` (q and k rotated
   in the wrapper before the variant; nothing added to the embeddings).
 - ``short_conv`` = k > 0 adds a causal depthwise convolution over the last k positions before attention
-  (Zoology's attention baselines are such conv + attention hybrids). It gives each position its
-  predecessor's token, which MQAR recall needs; being local, it carries nothing far.
+  (as the short convolutions of Zoology's BaseConv and Based models, kernel size 3). It gives each
+  position its predecessor's token, which MQAR recall needs; being local, it carries nothing far.
 
 Causality: the model is causal (a decoder, as in Zoology) when the variant supports ``causal=True``.
 A variant that cannot be causal (linear: every projected key mixes all positions) runs bidirectionally.
