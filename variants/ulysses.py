@@ -181,7 +181,7 @@ def heads_to_seq(x: Tensor, attn: Ulysses, group, rank: int, lengths: list[int])
     P = len(lengths)
     lead, (h, _, D) = x.shape[:-3], x.shape[-3:]
     # Rank p's positions, (..., h, n_p, D) each, laid end to end: copied once, straight into the buffer sent
-    sizes = [x[..., :m, :].numel() for m in lengths]
+    sizes = [x.numel() // x.shape[-2] * m for m in lengths]
     send = x.new_empty(sum(sizes))
     for piece, out in zip(x.split(lengths, dim=-2), send.split(sizes)):
         out.view(piece.shape).copy_(piece)
