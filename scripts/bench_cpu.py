@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -37,6 +38,7 @@ exit_at_startup_interrupts("bench_cpu.py")
 # No torch here (harness.env imports it): the command line is checked, and the process re-executed with
 # ALLOCATOR_ENV, before torch's import (seconds) is paid, and paid once.
 from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg, wait_through_ctrl_c  # noqa: E402
+from harness.report.markdown import table as markdown_table  # noqa: E402
 from harness.results import (Result, fit_exponents, latest, machine, median_run, read_jsonl, untrusted,  # noqa: E402
                              write_csv, write_json)
 
@@ -296,7 +298,12 @@ def summarize(rows, spreads, fits, env, args, budget, elapsed, elsewhere) -> str
     ns = args.seq_lens
     codes = {name: sorted({r.code_version or "unknown" for r in rs}) for name, rs in rows.items()}
     earlier = [name for name in rows if name not in args.only]
-    head = "| variant | " + " | ".join(f"N={n}" for n in ns) + " |\n|---|" + "---:|" * len(ns) + "\n"
+    by = {name: by_n(rs) for name, rs in rows.items()}
+
+    def per_n(cell: Callable[[str, int], str]) -> list[str]:
+        """A table of a row per variant, a column per N."""
+        return markdown_table(["variant", *(f"N={n}" for n in ns)], [[name, *(cell(name, n) for n in ns)] for name in rows],
+                              right_from=1)
     out = ["# CPU benchmark: time and peak memory against sequence length", "",
            f"Workload: B=1, H=4, D=64, float32, non-causal, forward+backward. Machine: {env['device_name']}, "
            f"{env['num_threads']} threads, torch {env['torch_version']}, code {env.get('code_version')}, "
@@ -315,43 +322,32 @@ def summarize(rows, spreads, fits, env, args, budget, elapsed, elsewhere) -> str
            "## Forward+backward time, ms (median ± IQR)", "",
            f"The median of each point's rounds (see Rounds); * where its rounds differ by more than "
            f"{ROUNDS_DISAGREE - 1:.0%}; noisy where every round's forward+backward was (its spread or other "
-           "processes' load: see Disturbance), a timing not to be quoted.", "", head.rstrip("\n")]
-    for name, rs in rows.items():
-        b = by_n(rs)
-        out.append(f"| {name} | " + " | ".join(cell_ms(b.get(n)) + disagree(spreads[name].get(n)) for n in ns) + " |")
-    out += ["", "## Peak memory of forward+backward, MiB (extra over the inputs)", "", head.rstrip("\n")]
-    for name, rs in rows.items():
-        b = by_n(rs)
-        out.append(f"| {name} | " + " | ".join(cell_mib(b.get(n)) for n in ns) + " |")
+           "processes' load: see Disturbance), a timing not to be quoted.", "",
+           *per_n(lambda name, n: cell_ms(by[name].get(n)) + disagree(spreads[name].get(n)))]
+    out += ["", "## Peak memory of forward+backward, MiB (extra over the inputs)", "",
+            *per_n(lambda name, n: cell_mib(by[name].get(n)))]
     out += ["", "## Fitted log-log exponents (least squares over ok points) beside theory",
             "", "Theory: the slope of the variant's analytic forward FLOPs (time) and analytic memory "
-            "(memory) between the same N.", "",
-            "| variant | time, all N | theory | time, 2K→16K | theory | memory, all N | theory |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
-    for name in rows:
-        a, k = fits[name]["all"], fits[name]["2k_16k"]
-        g = lambda f, key, part: fmt(f.get(key, {}).get(part))  # noqa: E731
-        out.append(f"| {name} | {g(a, 'fwd_bwd_ms', 'fitted')} | {g(a, 'fwd_bwd_ms', 'theory')} | "
-                   f"{g(k, 'fwd_bwd_ms', 'fitted')} | {g(k, 'fwd_bwd_ms', 'theory')} | "
-                   f"{g(a, 'memory', 'fitted')} | {g(a, 'memory', 'theory')} |")
+            "(memory) between the same N.", ""]
+    out += markdown_table(
+        ["variant", "time, all N", "theory", "time, 2K→16K", "theory", "memory, all N", "theory"],
+        [[name, *(fmt(fits[name][fit].get(key, {}).get(part)) for fit, key in
+                  (("all", "fwd_bwd_ms"), ("2k_16k", "fwd_bwd_ms"), ("all", "memory")) for part in ("fitted", "theory"))]
+         for name in rows], right_from=1)
     out += ["", "## Targets", ""] + targets(rows, fits)
     most = max((sp[0] for sps in spreads.values() for sp in sps.values()), default=args.rounds)  # earlier ones too
     out += ["", "## Rounds", "",
             f"Each point was measured in up to {most} rounds, each in its own process, minutes apart "
             f"(rounds in alternating variant order; a point whose first round took over {args.round_max_s:.0f} s "
             "was measured once). The cell: the slowest round's forward+backward time over the fastest's "
-            "(the number of rounds); the tables above hold the median round.", "", head.rstrip("\n")]
-    for name in rows:
-        out.append(f"| {name} | " + " | ".join(cell_spread(spreads[name].get(n)) for n in ns) + " |")
+            "(the number of rounds); the tables above hold the median round.", "",
+            *per_n(lambda name, n: cell_spread(spreads[name].get(n)))]
     out += ["", "## Disturbance", "",
             "Cores kept busy by other processes (or stolen by the hypervisor) while each kept point ran. The "
             "kept round is the median among those whose forward+backward is not flagged noisy (its spread, "
             f"or other processes above {args.max_other_cores} cores), among all where every round is "
             "(harness.results.median_run, as the report's).",
-            "", head.rstrip("\n")]
-    for name, rs in rows.items():
-        b = by_n(rs)
-        out.append(f"| {name} | " + " | ".join(fmt(b[n].other_cpu_cores) if n in b else "-" for n in ns) + " |")
+            "", *per_n(lambda name, n: fmt(by[name][n].other_cpu_cores) if n in by[name] else "-")]
     # The start: the first variant's env.json, or a row's date where that is earlier (a rerun that measured
     # nothing writes env.json again: "from 12:07 to 12:05")
     dates = [r.date for name in rows for rs in candidates(args.out / name).values() for r in rs if r.date]

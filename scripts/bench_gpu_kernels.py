@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import numpy as np
 import torch
 
-from bench_gpu_summary import COMPARED, OURS_BARE, case_disturbed, d_done, fmt, job_file, side_rows
+from bench_gpu_summary import COMPARED, OURS_BARE, case_disturbed, d_done, job_file, side_rows
 from harness.config import one_line
 from harness.env import now
 from harness.job import BUDGET_SPENT
+from harness.report.markdown import cell
 from harness.results import write_json
 
 if TYPE_CHECKING:
@@ -253,7 +254,7 @@ def part_public(ctx: Context) -> int:
                "name": name, **timed(ctx, build), "date": now()}
         with path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        ctx.log(f"[d:public] {label} N={row['seq_len']} {name}: {row['status']} {fmt(row.get('fwd_bwd_ms'))} ms"
+        ctx.log(f"[d:public] {label} N={row['seq_len']} {name}: {row['status']} {cell(row.get('fwd_bwd_ms'))} ms"
                 + (f" ({row['reason']})" if row["reason"] else ""))
         if ctx.lost:
             return 1  # a new process goes on (run_step's second attempt, or the next call)

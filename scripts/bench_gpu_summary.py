@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from harness.job import job_file as read_job_file
+from harness.report.markdown import cell as fmt
+from harness.report.markdown import table
 from harness.results import (InputError, atomic_write, fit_exponents, latest, load_rows, noisy_passes, read_jsonl,
                              untrusted, write_json)
 
@@ -76,16 +78,6 @@ def d_done(rows: list[dict[str, Any]]) -> set[tuple[str, str]]:
     for r in rows:
         tries.setdefault((r["label"], r["name"]), []).append(r["status"])
     return {key for key, st in tries.items() if st[-1] != "error" or len(st) >= 2}
-
-
-def fmt(x: Any, digits: int = 4) -> str:
-    return "-" if x is None else f"{x:.{digits}g}" if isinstance(x, float) else str(x)
-
-
-def table(head: list[str], body: list[list[Any]]) -> list[str]:
-    """A Markdown table; a | inside a cell (a test's failure message) is escaped, not a column."""
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
-        "| " + " | ".join(fmt(c).replace("|", "\\|") for c in row) + " |" for row in body]
 
 
 def target(name: str, text: str, value: float | None, ok: Callable[[float], bool], detail: str,

@@ -54,6 +54,7 @@ from bench_cpu import ALLOCATOR_ENV  # noqa: E402
 from harness.config import MeasureOptions, ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import OtherLoad, collect, now  # noqa: E402
 from harness.measure import time_fn  # noqa: E402
+from harness.report.markdown import table as markdown_table  # noqa: E402
 from harness.memory import peak_memory  # noqa: E402
 from harness.results import DirectoryLock, LockedError, atomic_write, machine, write_json  # noqa: E402
 
@@ -246,28 +247,23 @@ def table(rows: list[dict], env: dict, args) -> str:
     ns = sorted({r["seq_len"] for r in rows})
     pairs = list(dict.fromkeys(r["pair"] for r in rows))
     at = {(r["pair"], r["seq_len"]): r for r in rows}
-    head = "| ours / peer | " + " | ".join(f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in ns) + " |"
+    def ratio(p: str, n: int, metric: str) -> str:
+        r = at.get((p, n))
+        return "" if r is None else f"{r[metric]:.2f}" + ("*" if r["noisy"] and metric == "time_ratio" else "")
     lines = ["Ratios ours / peer on the same function (below 1: ours is cheaper); `*` measured while others "
-             "kept cores busy, with a wide spread, or whose rounds disagree by more than 10%.", "", head,
-             "|---|" + "---:|" * len(ns)]
-    for metric, what in (("time_ratio", "time"), ("mem_ratio", "peak memory")):
-        for p in pairs:
-            cells = []
-            for n in ns:
-                r = at.get((p, n))
-                cells.append("" if r is None else f"{r[metric]:.2f}" + ("*" if r["noisy"] and metric == "time_ratio" else ""))
-            lines.append(f"| {p} / {PAIRS[p][2]} ({what}) | " + " | ".join(cells) + " |")
-    lines += ["", "Absolute, the median round: forward+backward ms (median ± IQR) and peak MiB, ours | peer; "
-                  "every round's time ratio:", "",
-              "| pair | N | ours ms | peer ms | ours MiB | peer MiB | other cores (ours, peer) | rounds' ratios | max rel err |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        o, p = r["ours_side"], r["peer_side"]
-        lines.append(f"| {r['pair']} | {r['seq_len']} | {o['fwd_bwd_ms']:.1f} ±{o['iqr_ms'] or 0:.1f} | "
-                     f"{p['fwd_bwd_ms']:.1f} ±{p['iqr_ms'] or 0:.1f} | {o['peak_mem_bytes'] / 2**20:.1f} | "
-                     f"{p['peak_mem_bytes'] / 2**20:.1f} | {o['other_cpu_cores'] or 0:.2f}, "
-                     f"{p['other_cpu_cores'] or 0:.2f} | {' '.join(f'{x:.2f}' for x in r['round_time_ratios'])} | "
-                     f"{r['max_rel_err']:.1e} |")
+             "kept cores busy, with a wide spread, or whose rounds disagree by more than 10%.", "",
+             *markdown_table(["ours / peer", *(f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in ns)],
+                             [[f"{p} / {PAIRS[p][2]} ({what})", *(ratio(p, n, metric) for n in ns)]
+                              for metric, what in (("time_ratio", "time"), ("mem_ratio", "peak memory")) for p in pairs], 1),
+             "", "Absolute, the median round: forward+backward ms (median ± IQR) and peak MiB, ours | peer; "
+                 "every round's time ratio:", ""]
+    lines += markdown_table(
+        ["pair", "N", "ours ms", "peer ms", "ours MiB", "peer MiB", "other cores (ours, peer)", "rounds' ratios",
+         "max rel err"],
+        [[r["pair"], r["seq_len"], *(f"{s['fwd_bwd_ms']:.1f} ±{s['iqr_ms'] or 0:.1f}" for s in sides),
+          *(f"{s['peak_mem_bytes'] / 2**20:.1f}" for s in sides), ", ".join(f"{s['other_cpu_cores'] or 0:.2f}" for s in sides),
+          " ".join(f"{x:.2f}" for x in r["round_time_ratios"]), f"{r['max_rel_err']:.1e}"]
+         for r in rows for sides in [(r["ours_side"], r["peer_side"])]], 1)
     lines += ["", f"Machine: {env['device_name']}, {env['num_threads']} threads, torch {env['torch_version']}, "
                   f"code {env['code_version']}, allocator {env['allocator']}, load average {env['load_avg_1m']:.2f} at the start; "
                   f"timer torch.utils.benchmark blocked_autorange, {args.min_run_time} s per side; "
