@@ -21,7 +21,8 @@ benchmark (scripts/bench_gpu.py) is such a job.
 A step that is not a sweep (``preset`` None) is a subclass's own: its ``command``, which keeps to the
 budget itself (exit BUDGET_SPENT when it is spent) and whose ``complete`` the subclass decides.
 A script runs a job inside harness.config.ctrl_c_is_one_line, which turns a SIGTERM into the exception
-that run_step and precompile pass on to the processes they started.
+that run_step and precompile pass on to the processes they started; once its sweeps have ended,
+``repository_relative`` writes the repository's path in their Hydra records as ``.``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -43,7 +45,7 @@ from typing import Any, Callable
 
 import yaml
 
-from harness.results import DirectoryLock, latest, move_aside, read_jsonl, write_json
+from harness.results import DirectoryLock, atomic_write, latest, move_aside, read_jsonl, write_json
 from harness.signals import Terminated
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -332,3 +334,17 @@ def precompile_chunks(job: Job, steps: list[Step]) -> list[tuple[Step, list[int]
         m = max(1, min(len(lens), round(PRECOMPILE_PROCESSES * len(lens) / max(total, 1))))
         chunks += [(step, lens[i::m]) for i in range(m) if lens[i::m]]
     return chunks
+
+
+def repository_relative(out: Path, root: Path = ROOT) -> None:
+    """Hydra's records (.hydra/hydra.yaml, multirun.yaml: its cwd, config path, sweep and output
+    directories) and the reports' source line hold the repository's absolute path on the machine that ran
+    them: written as ``.`` instead, so that the results say nothing of that machine and read the same
+    wherever they are checked out. The path whole, not a directory beside it whose name begins with it
+    (``<root>_results/...`` became ``._results/...``). Run once the sweeps have ended (no file is being
+    written)."""
+    whole = re.compile(re.escape(str(root)) + r"(?=[/\s\"'<>,:;\]}]|$)", re.M)
+    for path in [*out.rglob("*.yaml"), *out.rglob("report.html")]:
+        text = path.read_text()
+        if whole.search(text):
+            atomic_write(path, whole.sub(".", text))

@@ -10,7 +10,6 @@ complete ones only, never on the first ones timed) | skipped (needs CUDA, on the
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -19,15 +18,15 @@ import numpy as np
 import torch
 
 from harness.job import job_file as read_job_file
+from harness.job import repository_relative
 from harness.report.markdown import cell as fmt
 from harness.report.markdown import table
-from harness.results import (InputError, atomic_write, fit_exponents, latest, load_rows, noisy_passes, read_jsonl,
+from harness.results import (InputError, fit_exponents, latest, load_rows, noisy_passes, read_jsonl,
                              untrusted, write_json)
 
 if TYPE_CHECKING:
     from bench_gpu import Context
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 N2_BACKENDS = {"dense", "math", "sdpa_math"}  # full's math and sdpa_math, any variant's dense: N×N in memory
 TABLE21 = ("full", "math")  # the path FA-1 Table 21's target reads: the only N×N series a target needs
@@ -429,20 +428,6 @@ def summarize(ctx: Context) -> dict[str, Any]:
     write_json(ctx.out / "summary.json", {"smoke": ctx.plan.smoke, "state": ctx.state, **res})
     repository_relative(ctx.out)
     return res
-
-
-def repository_relative(out: Path, root: Path = ROOT) -> None:
-    """Hydra's records (.hydra/hydra.yaml, multirun.yaml: its cwd, config path, sweep and output
-    directories) and the reports' source line hold the repository's absolute path on the machine that ran
-    them: written as ``.`` instead, so that the results say nothing of that machine and read the same
-    wherever they are checked out. The path whole, not a directory beside it whose name begins with it
-    (``<root>_results/...`` became ``._results/...``). Run once the sweeps have ended (no file is being
-    written)."""
-    whole = re.compile(re.escape(str(root)) + r"(?=[/\s\"'<>,:;\]}]|$)", re.M)
-    for path in [*out.rglob("*.yaml"), *out.rglob("report.html")]:
-        text = path.read_text()
-        if whole.search(text):
-            atomic_write(path, whole.sub(".", text))
 
 
 # ----- command line --------------------------------------------------------------------------------

@@ -1093,12 +1093,11 @@ def test_an_env_json_entry_edited_by_hand_is_set_aside_not_a_traceback(tmp_path,
 def test_the_repositorys_path_is_written_as_dot_and_a_directory_beside_it_is_left_alone(tmp_path):
     """The results name the repository ".", not where it lay; a directory beside it whose name begins with
     the repository's (``<root>_results``) is another path, kept (it became ``._results``)."""
-    _, _, summary = load_bench()
     root, beside = tmp_path / "repo", tmp_path / "repo_results" / "gpu"
     (beside / ".hydra").mkdir(parents=True)
     (beside / ".hydra" / "hydra.yaml").write_text(f"cwd: {root}\nconfig: {root}/conf\nout: {beside}\nq: '{root}'\n")
     (beside / "report.html").write_text(f"<code>{beside}/a</code> <code>{root}</code>")
-    summary.repository_relative(tmp_path, root)
+    harness_job.repository_relative(tmp_path, root)
     assert (beside / ".hydra" / "hydra.yaml").read_text() == f"cwd: .\nconfig: ./conf\nout: {beside}\nq: '.'\n"
     assert (beside / "report.html").read_text() == f"<code>{beside}/a</code> <code>.</code>"
 
