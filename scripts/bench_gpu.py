@@ -48,6 +48,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]  # the harness, and this script's two modules
@@ -117,6 +118,8 @@ class Context(Job):
                  labels: list[str], recorded: dict[str, list[str]] | None = None) -> None:
         super().__init__(out, budget_s, log, plan.common, device)
         self.plan, self.labels = plan, labels
+        self.skips_cuda = device.type != "cuda"  # what needs CUDA is skipped
+        self.dtype = "float32" if self.skips_cuda else plan.dtype  # of the kernels this script times
         self.lost = False  # this process lost its CUDA context (d:public): its kernels stop
         self._steps: list[Step] | None = None
         # Reading an earlier run's results (--summary-only, --pending): each label's backends as the
@@ -146,11 +149,6 @@ class Context(Job):
             return not any(case_disturbed(c) and 1 + len(c.get("earlier_rounds", [])) < 2 * self.plan.overhead_rounds
                            for c in done.get("cases", []))
         return done is not None
-
-    @property
-    def skips_cuda(self) -> bool:
-        """What needs CUDA is skipped: this is not a CUDA run."""
-        return self.device.type != "cuda"
 
     def command(self, step: Step, overrides: tuple[str, ...] | None = None, sweep_dir: Path | None = None
                 ) -> list[str]:
@@ -198,12 +196,11 @@ def plan_steps(ctx: Context) -> list[Step]:
 
 def a_series(ctx: Context, targets: bool = False) -> list[Step]:
     """Part a's sweeps in the order they run: what a target needs first (tier 0: full's math, Table 21;
-    tiers 1 and 2: the exponent series, the kernels that compile per N after every one that does not),
-    then the other efficient variants and full's kernels (3, compiled ones 4), the other N×N backends last
-    (5: full's sdpa_math among them). A variant's compiled backends are a sweep of their own (step
-    <label>:compiled, the same job directories), so a call cut short by its budget has not spent it
-    compiling one variant's kernels while another's series waits. ``targets``: tiers 0 to 2 only, for
-    a-targets. There tiers 1 and 2 are narrowed to the exponent fit's lengths, sweeps of their own
+    tiers 1 and 2: the exponent series, compiled backends after the others), then the other efficient
+    variants and full's kernels (3, compiled ones 4), the other N×N backends last (5: full's sdpa_math among
+    them). A variant's compiled backends are a sweep of their own (<label>:compiled, the same job
+    directories), so a call cut short has not spent its budget compiling one variant's kernels while
+    another's series waits. ``targets``: tiers 0 to 2 only, 1 and 2 narrowed to the exponent fit's lengths
     (a-targets:<label>...); tier 0 is part a's own sweep (a:full:table21), not run twice."""
     import variants
 
@@ -220,8 +217,7 @@ def a_series(ctx: Context, targets: bool = False) -> list[Step]:
             if not chosen or (targets and tier > 2):
                 continue
             narrowed = targets and tier in (1, 2)  # the exponent series from the fit's first length
-            overrides = [f"variant={variant}", f"variant.backend={','.join(chosen)}",
-                         *[f"variant.{k}={v}" for k, v in options.items()], *ctx.plan.a]
+            overrides = variant_overrides(variant, chosen, options) + ctx.plan.a
             if narrowed:
                 overrides = with_seq_lens("seq_len_scaling", overrides, lambda n: n >= ctx.plan.exponent_range[0])
             name = f"{'a-targets' if narrowed else 'a'}:{label}{kind}"
@@ -236,11 +232,14 @@ def d_steps(ctx: Context) -> list[Step]:
     public kernels (d:public)."""
     (B, H, D), N = ctx.plan.shape, ctx.plan.compare_seq_len
     point = [f"seq_lens=[{N}]", f"batch_size={B}", f"num_heads={H}", f"head_dim={D}"]
-    steps = [Step("d", f"d:{label}", "pattern_compare", (
-        f"variant={variant}", f"variant.backend={','.join(ctx.compared_backends(label))}",
-        *[f"variant.{k}={v}" for k, v in options.items()], *point), f"d/{label}")
-        for label, variant, options in VARIANTS if label in COMPARED and label in ctx.labels]
+    steps = [Step("d", f"d:{label}", "pattern_compare",
+                  (*variant_overrides(variant, ctx.compared_backends(label), options), *point), f"d/{label}")
+             for label, variant, options in VARIANTS if label in COMPARED and label in ctx.labels]
     return [Step("d", "d:overhead"), *steps, Step("d", "d:public")]
+
+
+def variant_overrides(variant: str, backends: list[str], options: dict[str, Any]) -> list[str]:
+    return [f"variant={variant}", f"variant.backend={','.join(backends)}", *[f"variant.{k}={v}" for k, v in options.items()]]
 
 
 def record_invocation(ctx: Context, steps: list[str]) -> None:

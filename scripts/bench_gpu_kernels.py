@@ -6,9 +6,11 @@ backend called bare (d/compare.jsonl) and the harness's timing against raw do_be
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
@@ -33,7 +35,7 @@ OVERHEAD_RUNS = 3  # harness runs per case, each between two raw timings: the me
 
 def part_roof(ctx: Context) -> int:
     """The device's matmul rate: an n×n×n torch.matmul of fresh randn, median of do_bench."""
-    if ctx.device.type != "cuda":
+    if ctx.skips_cuda:
         write_json(ctx.out / "roof.json", {"status": NEEDS_CUDA})
         return 0
     from triton.testing import do_bench
@@ -59,22 +61,29 @@ class Unavailable(Exception):
 
 
 class Call(NamedTuple):
-    """A kernel's forward+backward (``run``) and what clears its input gradients before each (``before``):
-    timed as the harness times a point (harness.measure.time_fn), the clearing outside the CUDA events."""
+    """A kernel's forward+backward (``run``), what clears its input gradients before each (``before``: timed
+    as the harness times a point, harness.measure.time_fn, the clearing outside the CUDA events) and the
+    seconds its set-up took (a BlockMask, our backend's prepare), reported apart from the kernel's time."""
     run: Callable[[], None]
     before: Callable[[], None]
+    setup_s: float | None = None
 
 
-def fwd_bwd_call(f: Callable, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Call:
-    """A forward+backward call of ``f`` on fresh randn inputs already in the kernel's own layout."""
-    g = torch.Generator(device=device).manual_seed(1)
+def qkv_dout(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v (each requiring its gradient) and dout: fresh randn of ``shape``."""
+    g = torch.Generator(device=device).manual_seed(seed)
     q, k, v, dout = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_()
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
+
+
+def fwd_bwd_call(f: Callable, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 setup_s: float | None = None) -> Call:
+    """A forward+backward call of ``f`` on fresh randn inputs already in the kernel's own layout."""
+    q, k, v, dout = qkv_dout(shape, dtype, device, seed=1)
 
     def before() -> None:
         q.grad = k.grad = v.grad = None
-    return Call(lambda: f(q, k, v).backward(dout), before)
+    return Call(lambda: f(q, k, v).backward(dout), before, setup_s)
 
 
 def public_specs(label: str, attn, B: int, N: int, device: torch.device) -> dict[str, tuple[str, Any]]:
@@ -121,76 +130,67 @@ def public_kernels(label: str, attn, B: int, H: int, N: int, D: int, dtype: torc
                    device: torch.device) -> dict[str, tuple[str, Callable[[], Call]]]:
     """public_specs as builders of a forward+backward call, each on inputs in the kernel's own layout:
     name -> (kind, build)."""
-    cuda, scale = device.type == "cuda", D ** -0.5
-
-    def xformers(bias_fn, flat: bool):
-        def build():
-            if not cuda:
-                raise Unavailable(f"{NEEDS_CUDA} (xformers runs no attention on CPU)")
-            from variants.xformers_backend import unavailable_reason, xformers_ops
-
-            if (reason := unavailable_reason(device)) is not None:  # said, not replaced
-                raise Unavailable(reason)
-            xops = xformers_ops()
-            bias = bias_fn(xops.fmha.attn_bias)
-            shape = (1, B * N, H, D) if flat else (B, N, H, D)  # xformers' own layout
-            return fwd_bwd_call(lambda q, k, v: xops.memory_efficient_attention(q, k, v, attn_bias=bias, scale=scale),
-                                shape, dtype, device)
-        return build
-
-    def flex(mask_mod):
-        def build():
-            if not cuda:
-                raise Unavailable(f"{NEEDS_CUDA} (FlexAttention has no backward on CPU)")
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            from variants.flex import compiled_flex_attention
-
-            start = time.perf_counter()
-            bm = create_block_mask(mask_mod(), None, None, N, N, device=device, BLOCK_SIZE=128)
-            torch.cuda.synchronize()
-            build.block_mask_s = time.perf_counter() - start  # reported apart from the kernel's time
-            fn = compiled_flex_attention()
-            return fwd_bwd_call(lambda q, k, v: fn(q, k, v, block_mask=bm, scale=scale), (B, H, N, D), dtype, device)
-        return build
-
-    def sdpa(kernel, b: int | None = None):
-        """SDPA pinned to ``kernel`` on CUDA (torch's own choice on CPU), over the whole sequence or, with
-        ``b``, over (B·N/b, H, b, D) blocks."""
-        def build():
-            import torch.nn.functional as F
-            from torch.nn.attention import sdpa_kernel
-
-            def f(q, k, v):
-                if not cuda:
-                    return F.scaled_dot_product_attention(q, k, v, scale=scale)
-                with sdpa_kernel([kernel]):
-                    return F.scaled_dot_product_attention(q, k, v, scale=scale)
-            return fwd_bwd_call(f, (B, H, N, D) if b is None else (B * N // b, H, b, D), dtype, device)
-        return build
-
-    def ours_bare():
-        def build():
-            if not cuda:
-                raise Unavailable(f"{NEEDS_CUDA} (FlexAttention has no backward on CPU)")
-            import variants
-
-            mine = variants.build(attn.name, **{**asdict(attn.options), "backend": "flex"})
-            start = time.perf_counter()
-            mine.prepare(N, False, device)
-            torch.cuda.synchronize()
-            build.block_mask_s = time.perf_counter() - start
-            return fwd_bwd_call(lambda q, k, v: mine(q, k, v), (B, H, N, D), dtype, device)
-        return build
-
     from torch.nn.attention import SDPBackend
 
-    builders = {"xformers": lambda x: xformers(x, False), "xformers_flat": lambda x: xformers(x, True),
-                "flex": flex, "sdpa": sdpa, "sdpa_blocks": lambda b: sdpa(SDPBackend.FLASH_ATTENTION, b)}
-    specs = public_specs(label, attn, B, N, device)
-    kernels = {name: (kind, builders[kind](what)) for name, (kind, what) in specs.items()}
+    cuda, scale = device.type == "cuda", D ** -0.5
+    no_flex_backward = f"{NEEDS_CUDA} (FlexAttention has no backward on CPU)"
+
+    def xformers(bias_fn, flat: bool = False) -> Call:
+        if not cuda:
+            raise Unavailable(f"{NEEDS_CUDA} (xformers runs no attention on CPU)")
+        from variants.xformers_backend import unavailable_reason, xformers_ops
+
+        if (reason := unavailable_reason(device)) is not None:  # said, not replaced
+            raise Unavailable(reason)
+        xops = xformers_ops()
+        bias = bias_fn(xops.fmha.attn_bias)
+        shape = (1, B * N, H, D) if flat else (B, N, H, D)  # xformers' own layout
+        return fwd_bwd_call(lambda q, k, v: xops.memory_efficient_attention(q, k, v, attn_bias=bias, scale=scale),
+                            shape, dtype, device)
+
+    def flex(mask_mod) -> Call:
+        if not cuda:
+            raise Unavailable(no_flex_backward)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from variants.flex import compiled_flex_attention
+
+        start = time.perf_counter()
+        bm = create_block_mask(mask_mod(), None, None, N, N, device=device, BLOCK_SIZE=128)
+        torch.cuda.synchronize()
+        setup_s = time.perf_counter() - start
+        fn = compiled_flex_attention()
+        return fwd_bwd_call(lambda q, k, v: fn(q, k, v, block_mask=bm, scale=scale), (B, H, N, D), dtype, device,
+                            setup_s)
+
+    def sdpa(kernel, b: int | None = None) -> Call:
+        """SDPA pinned to ``kernel`` on CUDA (torch's own choice on CPU), over the whole sequence or, with
+        ``b``, over (B·N/b, H, b, D) blocks."""
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+
+        def f(q, k, v):
+            with sdpa_kernel([kernel]) if cuda else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return fwd_bwd_call(f, (B, H, N, D) if b is None else (B * N // b, H, b, D), dtype, device)
+
+    def ours_bare() -> Call:
+        if not cuda:
+            raise Unavailable(no_flex_backward)
+        import variants
+
+        mine = variants.build(attn.name, **{**asdict(attn.options), "backend": "flex"})
+        start = time.perf_counter()
+        mine.prepare(N, False, device)
+        torch.cuda.synchronize()
+        return fwd_bwd_call(mine, (B, H, N, D), dtype, device, time.perf_counter() - start)
+
+    builders = {"xformers": xformers, "xformers_flat": partial(xformers, flat=True), "flex": flex, "sdpa": sdpa,
+                "sdpa_blocks": partial(sdpa, SDPBackend.FLASH_ATTENTION)}
+    kernels = {name: (kind, partial(builders[kind], what))
+               for name, (kind, what) in public_specs(label, attn, B, N, device).items()}
     if "flex" in attn.backend_names():  # not a public kernel: it tells where a gap to FlexAttention lies
-        kernels[OURS_BARE] = ("flex", ours_bare())
+        kernels[OURS_BARE] = ("flex", ours_bare)
     return kernels
 
 
@@ -208,12 +208,11 @@ def timed(ctx: Context, build: Callable[[], Call]) -> dict[str, Any]:
         call.before()
         call.run()
         synchronize(ctx.device)
-        row["first_call_s"] = time.perf_counter() - start
-        row["block_mask_s"] = getattr(build, "block_mask_s", None)
+        row.update(first_call_s=time.perf_counter() - start, block_mask_s=call.setup_s)
         t = time_fn(call.run, ctx.device, MeasureOptions(min_run_time=0.01 if ctx.plan.smoke else 0.1, min_samples=2),
                     before=call.before)
         row.update(fwd_bwd_ms=t.median_ms, fwd_bwd_iqr_ms=t.iqr_ms)
-        if ctx.device.type == "cuda":  # the state the kernel ran in: a throttled clock is a slower kernel
+        if not ctx.skips_cuda:  # the state the kernel ran in: a throttled clock is a slower kernel
             from harness.env import nvidia_smi
 
             row["gpu_after"] = nvidia_smi("clocks.sm,temperature.gpu,power.draw")
@@ -230,11 +229,9 @@ def timed(ctx: Context, build: Callable[[], Call]) -> dict[str, Any]:
 
 def public_list(ctx: Context) -> list[tuple[str, str, bool, Callable[[], Call]]]:
     """(label, name, compiled, build) of every kernel d:public times (the public ones, and ours bare), in the
-    order it times them:
-    those compiled per call shape (FlexAttention) after every one that is not, so that a call cut short
-    by its budget has not spent it compiling."""
-    (B, H, D), N = ctx.plan.shape, ctx.plan.compare_seq_len
-    dtype = getattr(torch, ctx.plan.dtype if ctx.device.type == "cuda" else "float32")
+    order it times them: those compiled per call shape (FlexAttention) after every one that is not, so that
+    a call cut short by its budget has not spent it compiling."""
+    (B, H, D), N, dtype = ctx.plan.shape, ctx.plan.compare_seq_len, getattr(torch, ctx.dtype)
     kernels = [(label, name, kind == "flex", build) for label in COMPARED if label in ctx.labels
                for name, (kind, build) in public_kernels(label, ctx.build(label), B, H, N, D, dtype, ctx.device).items()]
     return sorted(kernels, key=lambda k: k[2])  # stable: COMPARED's order otherwise
@@ -283,22 +280,19 @@ def part_overhead(ctx: Context) -> int:
     """The harness's fwd and fwd_bwd medians against raw do_bench of the same callable and shape,
     interleaved: raw, harness, raw, ... (OVERHEAD_RUNS harness runs, each between two raw timings). The
     overhead is the median harness run over the median raw timing: one run disturbed (the +13.6% the
-    H100 showed once, the other five cases within 0.83%) neither passes nor fails the target alone, and
-    every run is in the file. A round whose raw timings disagree at their median by more than the target's
-    3% (bench_gpu_summary.disturbed: the H200's linear `sdpa` forward, 0.356 and 0.476 ms in turn) is
-    measured again, up to plan.overhead_rounds rounds; the earlier rounds stay in the file
-    (earlier_rounds). A case judged in an earlier call is kept as it is; one still disturbed is measured
-    again, its earlier rounds kept. On CPU the same code runs the cases whose backend runs there, against
-    torch.utils.benchmark: the dry run's check of the path, no target."""
+    H100 showed once, the other five cases within 0.83%) neither passes nor fails the target alone. A
+    round whose raw timings are disturbed (bench_gpu_summary.disturbed) is measured again, up to
+    plan.overhead_rounds rounds, the earlier ones kept (earlier_rounds); a case judged in an earlier call
+    is kept as it is. On CPU the cases whose backend runs there, against torch.utils.benchmark: the dry
+    run's check of the path, no target."""
     import variants
 
     from harness.memory import release_memory
     from harness.run import run
 
     (ctx.out / "d").mkdir(parents=True, exist_ok=True)
-
     (B, H, D), N, rep = ctx.plan.shape, ctx.plan.overhead_seq_len, 100
-    dtype, raw_ms = ctx.plan.dtype if ctx.device.type == "cuda" else "float32", raw_timer(ctx.device)
+    dtype, raw_ms = ctx.dtype, raw_timer(ctx.device)
     before = {(c["variant"], c["backend"]): c if c.get("status") == "ok" else None
               for c in (job_file(ctx.out / "d" / "overhead.json") or {}).get("cases", [])}
     cases = []
@@ -316,13 +310,9 @@ def part_overhead(ctx: Context) -> int:
             # measure.param_grads is off), input gradients cleared before every call.
             attn = variants.build(variant, backend=backend).requires_grad_(False)
             if (reason := attn.unavailable(backend, ctx.device)) is not None:
-                raise Unavailable(NEEDS_CUDA if ctx.device.type != "cuda" else f"skipped: {reason}")
+                raise Unavailable(NEEDS_CUDA if ctx.skips_cuda else f"skipped: {reason}")
             attn = attn.to(ctx.device)
-            g = torch.Generator(device=ctx.device).manual_seed(0)
-            q, k, v, dout = (torch.randn((B, H, N, D), generator=g, device=ctx.device, dtype=getattr(torch, dtype))
-                             for _ in range(4))
-            for t in (q, k, v):
-                t.requires_grad_()
+            q, k, v, dout = qkv_dout((B, H, N, D), getattr(torch, dtype), ctx.device, seed=0)
             calls = {"fwd": lambda: attn(q, k, v), "fwd_bwd": lambda: attn(q, k, v).backward(dout)}
             calls["fwd_bwd"]()
 
@@ -364,6 +354,7 @@ def part_overhead(ctx: Context) -> int:
         release_memory(ctx.device)
         cases.append(case)
         ctx.log(f"[d:overhead] {variant}/{backend}: {case}")
-    write_json(ctx.out / "d" / "overhead.json", {"status": "ok", "timer": f"{'do_bench' if ctx.device.type == 'cuda' else 'blocked_autorange'}"
-                      f"(median, rep={rep} ms)", "cases": cases, "date": now()})
+    timer = "blocked_autorange" if ctx.skips_cuda else "do_bench"
+    write_json(ctx.out / "d" / "overhead.json", {"status": "ok", "timer": f"{timer}(median, rep={rep} ms)", "cases": cases,
+                                                 "date": now()})
     return 0

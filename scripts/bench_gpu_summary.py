@@ -83,10 +83,7 @@ def target(name: str, text: str, value: float | None, ok: Callable[[float], bool
            skip: bool, gap: Callable[[float], str]) -> dict[str, Any]:
     """A target judged from ``value``: met | missed (with the gap) | not measured | skipped (``skip``:
     it needs CUDA and this is not a CUDA run)."""
-    if skip:
-        status = "skipped (needs CUDA)"
-    else:
-        status = "not measured" if value is None else "met" if ok(value) else "missed"
+    status = "skipped (needs CUDA)" if skip else "not measured" if value is None else "met" if ok(value) else "missed"
     return {"target": name, "text": text, "status": status, "value": value, "detail": detail,
             "gap": gap(value) if status == "missed" else None}
 
@@ -118,7 +115,7 @@ def memory_targets(ctx: Context, a: list[dict[str, Any]], res: dict[str, Any]) -
     device, plus the four inputs): the second checks the measurement, the first compares the programs."""
     import variants
 
-    math_path, table = variants.build("full", backend="math"), []
+    math_path, points = variants.build("full", backend="math"), []
     for r in sorted((r for r in a if r["variant"] == "full" and r["backend"] == "math" and r["peak_mem_bytes"]),
                     key=lambda r: r["seq_len"]):
         B, H, N, D = r["batch_size"], r["num_heads"], r["seq_len"], r["head_dim"]
@@ -127,28 +124,25 @@ def memory_targets(ctx: Context, a: list[dict[str, Any]], res: dict[str, Any]) -
         measured = r["peak_mem_bytes"] + inputs
         formula = (4 * N * N + 10 * N * D) * B * H * 2
         own = math_path.memory_bytes(B, H, N, D, elt, r["causal"], r["device"]) + inputs
-        table.append({"seq_len": N, "measured_mib": measured / MiB, "formula_mib": formula / MiB,
-                      "ratio": measured / formula, "own_mib": own / MiB, "own_ratio": measured / own,
-                      "elements_per_head": measured / (B * H * elt), "head_dim": D})
-    res["table21"] = table
+        points.append({"seq_len": N, "measured_mib": measured / MiB, "formula_mib": formula / MiB,
+                       "ratio": measured / formula, "own_mib": own / MiB, "own_ratio": measured / own,
+                       "elements_per_head": measured / (B * H * elt), "head_dim": D})
+    res["table21"] = points
     # What the measurements say the peak holds: a·N² + c·N·D elements per (b, h), least squares over every N
-    fit = res["table21_fit"] = table21_fit(res["table21"])
+    fit = res["table21_fit"] = table21_fit(points)
     held = fit and f"measured = {fit['n2']:.2f}·N² + {fit['nd']:.2f}·N·D elements per (b, h) (fitted over every N)"
-    within = [m["seq_len"] for m in res["table21"] if abs(m["ratio"] - 1) <= 0.02]
-    worst21 = max(res["table21"], key=lambda m: abs(m["ratio"] - 1), default=None)
-    res["targets"].append(target(
-        "table21", "full math peak memory = FA-1 Table 21's 4·B·H·N²·2 + 10·B·H·N·D·2 bytes within 2%",
-        worst21 and worst21["ratio"], lambda v: abs(v - 1) <= 0.02,
-        ", ".join(f"N={m['seq_len']}: {m['ratio']:.4f}" for m in res["table21"]), ctx.skips_cuda,
-        lambda v: f"worst N={worst21['seq_len']}: {(v - 1) * 100:+.1f}%; {held}, the formula 4·N² + 10·N·D: "
-                  f"{'within 2% at N=' + ', '.join(map(str, within)) if within else 'within 2% at no N'}"))
-    worst_own = max(res["table21"], key=lambda m: abs(m["own_ratio"] - 1), default=None)
-    res["targets"].append(target(
-        "math_exact", "full math peak memory = its own count, (s·N² + 6·N·D)·B·H elements with the inputs "
-                      "(s = 3 on CPU, 4 on CUDA), within 2%",
-        worst_own and worst_own["own_ratio"], lambda v: abs(v - 1) <= 0.02,
-        ", ".join(f"N={m['seq_len']}: {m['own_ratio']:.4f}" for m in res["table21"]), ctx.skips_cuda,
-        lambda v: f"worst N={worst_own['seq_len']}: {(v - 1) * 100:+.1f}%; {held}"))
+    within = [m["seq_len"] for m in points if abs(m["ratio"] - 1) <= 0.02]
+    formula_gap = f", the formula 4·N² + 10·N·D: {'within 2% at N=' + ', '.join(map(str, within)) if within else 'within 2% at no N'}"
+    for name, key, text, more in (
+            ("table21", "ratio", "full math peak memory = FA-1 Table 21's 4·B·H·N²·2 + 10·B·H·N·D·2 bytes within 2%",
+             formula_gap),
+            ("math_exact", "own_ratio", "full math peak memory = its own count, (s·N² + 6·N·D)·B·H elements with the "
+                                        "inputs (s = 3 on CPU, 4 on CUDA), within 2%", "")):
+        worst = max(points, key=lambda m: abs(m[key] - 1), default=None)
+        res["targets"].append(target(
+            name, text, worst and worst[key], lambda v: abs(v - 1) <= 0.02,
+            ", ".join(f"N={m['seq_len']}: {m[key]:.4f}" for m in points), ctx.skips_cuda,
+            lambda v: f"worst N={worst['seq_len']}: {(v - 1) * 100:+.1f}%; {held}{more}"))
 
 
 def roof_target(ctx: Context, c: list[dict[str, Any]], res: dict[str, Any]) -> None:
@@ -197,15 +191,16 @@ def compare_targets(ctx: Context, res: dict[str, Any]) -> None:
                           done | {r["name"] for r in rows})
         noisy = [r["name"] for r in rows if r["status"] == "ok" and r.get("noisy")]
         ok = [r for r in rows if r["status"] == "ok" and r["fwd_bwd_ms"] and not r.get("noisy")]
-        ours = min((r for r in ok if r["kind"] == "ours"), key=lambda r: r["fwd_bwd_ms"], default=None)
-        pub = min((r for r in ok if r["kind"] == "public"), key=lambda r: r["fwd_bwd_ms"], default=None)
-        ratio = pub["fwd_bwd_ms"] / ours["fwd_bwd_ms"] if ours and pub else None
+
+        def best(kind: str, but: tuple[str, ...] = ()) -> dict[str, Any] | None:
+            return min((r for r in ok if r["kind"] == kind and r["name"] not in but), key=lambda r: r["fwd_bwd_ms"],
+                       default=None)
         # The target is the issue's: our best backend. Our xformers and flex backends call the public
         # kernels themselves (same mask; ours built from the variant's predicate), so where one of them is
         # best the ratio measures our wrapper and mask_mod; the engine's ratio (variants/blocksparse.py,
         # our own kernel) is stated beside it.
-        own = min((r for r in ok if r["kind"] == "ours" and r["name"] not in ("ours xformers", "ours flex")),
-                  key=lambda r: r["fwd_bwd_ms"], default=None)
+        ours, pub, own = best("ours"), best("public"), best("ours", but=("ours xformers", "ours flex"))
+        ratio = pub["fwd_bwd_ms"] / ours["fwd_bwd_ms"] if ours and pub else None
         own_ratio = pub["fwd_bwd_ms"] / own["fwd_bwd_ms"] if own and pub else None
         res["compare"].append({"label": label, "ours": ours and ours["name"], "ours_ms": ours and ours["fwd_bwd_ms"],
                                "public": pub and pub["name"], "public_ms": pub and pub["fwd_bwd_ms"], "ratio": ratio,
