@@ -293,18 +293,18 @@ def part_overhead(ctx: Context) -> int:
     (ctx.out / "d").mkdir(parents=True, exist_ok=True)
     (B, H, D), N, rep = ctx.plan.shape, ctx.plan.overhead_seq_len, 100
     dtype, raw_ms = ctx.dtype, raw_timer(ctx.device)
-    before = {(c["variant"], c["backend"]): c if c.get("status") == "ok" else None
-              for c in (job_file(ctx.out / "d" / "overhead.json") or {}).get("cases", [])}
+    before = {(c["variant"], c["backend"]): c for c in (job_file(ctx.out / "d" / "overhead.json") or {}).get("cases", [])}
     cases = []
     for variant, backend in OVERHEAD_CASES:
-        earlier = before.get((variant, backend))
-        if earlier is not None and not case_disturbed(earlier):
+        earlier = before.get((variant, backend), {})
+        if earlier.get("status") == "ok" and not case_disturbed(earlier):
             cases.append(earlier)  # judged: never measured twice
             continue
         case: dict[str, Any] = {"variant": variant, "backend": backend, "seq_len": N, "status": "ok"}
-        # the rounds measured so far, the judged one last: an earlier call's, then this call's
-        rounds = [] if earlier is None else [*earlier.get("earlier_rounds", []),
-                                             {p: earlier[p] for p in ("fwd", "fwd_bwd")}]
+        # the rounds measured so far, the judged one last: an earlier call's (a case that ended in an error
+        # kept the rounds it had measured), then this call's
+        rounds = [*earlier.get("earlier_rounds", []),
+                  *([{p: earlier[p] for p in ("fwd", "fwd_bwd")}] if earlier.get("status") == "ok" else [])]
         try:
             # The same work as the harness's: no gradients for the variant's own parameters (linear's E, F;
             # measure.param_grads is off), input gradients cleared before every call.

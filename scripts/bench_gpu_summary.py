@@ -130,7 +130,8 @@ def memory_targets(ctx: Context, a: list[dict[str, Any]], res: dict[str, Any]) -
     res["table21"] = points
     # What the measurements say the peak holds: a·N² + c·N·D elements per (b, h), least squares over every N
     fit = res["table21_fit"] = table21_fit(points)
-    held = fit and f"measured = {fit['n2']:.2f}·N² + {fit['nd']:.2f}·N·D elements per (b, h) (fitted over every N)"
+    held = (f"measured = {fit['n2']:.2f}·N² + {fit['nd']:.2f}·N·D elements per (b, h) (fitted over every N)" if fit
+            else "no fit (one length measured)")
     within = [m["seq_len"] for m in points if abs(m["ratio"] - 1) <= 0.02]
     formula_gap = f", the formula 4·N² + 10·N·D: {'within 2% at N=' + ', '.join(map(str, within)) if within else 'within 2% at no N'}"
     for name, key, text, more in (

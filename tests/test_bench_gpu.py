@@ -913,7 +913,7 @@ def test_a_disturbed_overhead_case_is_measured_again_its_rounds_kept(tmp_path):
     # each raw timing is fwd's and fwd_bwd's (two calls), four a round: the H200's round, a steady one;
     # in the second call two disturbed rounds
     timings = iter([0.3555, 0.3555, 0.4761, 0.4761, 0.3567, 0.3567, 0.4837, 0.4837] + [0.36] * 8
-                   + [0.47, 0.47, 0.36, 0.36] * 4)
+                   + [0.47, 0.47, 0.36, 0.36] * 4 + [0.36] * 8)
     real = kernels.raw_timer
     kernels.raw_timer = lambda device: lambda fn, rep, grads: next(timings)
     try:
@@ -941,6 +941,15 @@ def test_a_disturbed_overhead_case_is_measured_again_its_rounds_kept(tmp_path):
         assert len(lin2["earlier_rounds"]) == 3 and (runs / "round-3" / "run-2").is_dir()
         assert summary.case_disturbed(lin2) and cuda.complete(step)  # two calls' rounds: disturbed for good
         assert [c for c in again["cases"] if c["variant"] != "linear"] == [c for c in ov["cases"] if c["variant"] != "linear"]
+        # a case that ended in an error keeps the rounds it had measured: measured again, after them
+        lin2.update(status="error", reason="RuntimeError: a kernel failed")
+        for p in ("fwd", "fwd_bwd"):
+            del lin2[p]
+        (tmp_path / "d" / "overhead.json").write_text(json.dumps(again))
+        assert kernels.part_overhead(ctx) == 0
+        (lin3,) = [c for c in json.loads((tmp_path / "d" / "overhead.json").read_text())["cases"] if c["variant"] == "linear"]
+        assert lin3["status"] == "ok" and lin3["earlier_rounds"] == lin2["earlier_rounds"]
+        assert lin3["fwd"]["raw_ms"] == [0.36] * 4
     finally:
         kernels.raw_timer = real
 
@@ -1131,6 +1140,8 @@ def test_each_target_is_judged_on_its_worst_or_best_row_in_the_right_direction_a
     assert t["table21"]["gap"].startswith("worst N=2048: +5.0%"), t["table21"]
     worst_own = max(res["table21"], key=lambda m: abs(m["own_ratio"] - 1))
     assert t["math_exact"]["value"] == worst_own["own_ratio"] != worst_own["ratio"], t["math_exact"]
+    t, _ = judged(summary.memory_targets, a[1:])  # one length: no fit, said so
+    assert "no fit (one length measured)" in t["table21"]["gap"] and "None" not in t["table21"]["gap"], t["table21"]
     # full_roof: a noisy forward is left out; judged only once each full backend has its row
     n, d = ctx.plan.roof_target
     roof = {"status": "ok", "tflops": {"bfloat16": 1000.0}}
