@@ -137,7 +137,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "results.csv", [r for name in names for r in rows[name]])
     write_json(args.out / "fit.json", fits)
-    summary = summarize(rows, spreads, fits, env, args, budget, elapsed, elsewhere)
+    summary = summarize(rows, spreads, fits, env, args, run_budgets(args.out, names, budget), elapsed, elsewhere)
     (args.out / "SUMMARY.md").write_text(summary)
     print(summary)
 
@@ -194,6 +194,22 @@ def machine_env(out: Path, names: list[str]) -> dict:
         if (path := out / name / "env.json").exists():
             return json.loads(path.read_text())
     return {**envmod.collect(torch.device("cpu")).as_dict(), "date": envmod.now()}
+
+
+def run_budgets(out: Path, names: list[str], default: float) -> list[float]:
+    """The memory budgets (GB) the kept rows' runs had, from each run's env.json: the summary states
+    theirs, not this invocation's (a --resume that measured nothing stated the memory free now);
+    ``default`` where no run's is there."""
+    found = set()
+    for name in names:
+        for path in [out / name / "env.json", *(out / name).glob("round-*/env.json")]:
+            try:
+                value = json.loads(path.read_text()).get("config", {}).get("memory_budget_gb")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                found.add(float(value))
+    return sorted(found) or [default]
 
 
 def wait_for_quiet(max_other_cores: float, timeout_s: float = 120.0) -> None:
@@ -294,7 +310,7 @@ def fmt(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
 
 
-def summarize(rows, spreads, fits, env, args, budget, elapsed, elsewhere) -> str:
+def summarize(rows, spreads, fits, env, args, budgets, elapsed, elsewhere) -> str:
     ns = args.seq_lens
     codes = {name: sorted({r.code_version or "unknown" for r in rs}) for name, rs in rows.items()}
     earlier = [name for name in rows if name not in args.only]
@@ -311,7 +327,8 @@ def summarize(rows, spreads, fits, env, args, budget, elapsed, elsewhere) -> str
            f"(load average {fmt(env.get('load_avg_1m'))} at the start of the first variant). "
            f"Timer: torch.utils.benchmark blocked_autorange, min run time {args.min_run_time} s per pass, "
            f"1 warm-up call; memory: profiler allocation replay (extra over the inputs); "
-           f"memory budget {budget:.3g} GB. Produced by `python scripts/bench_cpu.py`; rows in results.csv, "
+           f"memory budget {budgets[0]:.3g}"
+           f"{'' if len(budgets) == 1 else f' to {budgets[-1]:.3g} (runs differ)'} GB. Produced by `python scripts/bench_cpu.py`; rows in results.csv, "
            f"fits in fit.json.", "", ALLOCATOR_NOTE, "",
            *([f"This invocation measured {', '.join(args.only)}; the rows of {', '.join(earlier)} are earlier "
               "invocations' on this machine (dates below).", ""] if earlier else []),

@@ -195,3 +195,15 @@ def test_the_summarys_machine_is_a_variants_env_json_or_this_process(tmp_path):
     (tmp_path / "sparse").mkdir()
     (tmp_path / "sparse" / "env.json").write_text(json.dumps({"device_name": "measured here"}))
     assert bench.machine_env(tmp_path, ["linear", "sparse"]) == {"device_name": "measured here"}
+
+
+def test_the_summary_states_the_memory_budget_its_runs_had(tmp_path):
+    """A --resume that measured nothing wrote the memory free at that moment as the budget (19.7 GB in a
+    summary whose rows ran under 19.65): the budgets are the runs' own, from their env.json."""
+    bench = load_script("bench_cpu")
+    assert bench.run_budgets(tmp_path, ["linear"], 7.5) == [7.5]  # no run there: this invocation's
+    for where, budget in (("linear", 19.65), ("linear/round-2", 19.65), ("sparse", 18.0)):
+        (tmp_path / where).mkdir(parents=True)
+        (tmp_path / where / "env.json").write_text(json.dumps({"config": {"memory_budget_gb": budget}}))
+    assert bench.run_budgets(tmp_path, ["linear"], 7.5) == [19.65]
+    assert bench.run_budgets(tmp_path, ["linear", "sparse"], 7.5) == [18.0, 19.65]
