@@ -69,7 +69,7 @@ from harness.results import LockedError, write_json  # noqa: E402
 
 STEPS = ("roof", "c-targets", "d", "a-targets", "c", "a")
 CHILDREN = {"roof": part_roof, "d:overhead": part_overhead, "d:public": part_public}  # steps of this script's own
-CHILD_FILES = {"roof": "roof.json", "d:overhead": "d/overhead.json"}  # what they write, whole, once done
+CHILD_FILES = {"roof": "roof.json", "d:overhead": "d/overhead.json"}  # what they write, whole (d:overhead after each case)
 # (label, variant, options): part a's series and the comparisons' variants.
 VARIANTS = [("full", "full", {}), ("sliding_window", "sliding_window", {}), ("linear", "linear", {}),
             ("blockwise-local", "blockwise", {"mode": "local"}), ("sparse-fixed", "sparse", {"pattern": "fixed"}),

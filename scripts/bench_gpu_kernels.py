@@ -288,13 +288,22 @@ def part_overhead(ctx: Context) -> int:
     import variants
 
     from harness.memory import release_memory
-    from harness.run import run
+    from harness.run import RunInterrupted, run
+    from harness.signals import Terminated
 
     (ctx.out / "d").mkdir(parents=True, exist_ok=True)
     (B, H, D), N, rep = ctx.plan.shape, ctx.plan.overhead_seq_len, 100
     dtype, raw_ms = ctx.dtype, raw_timer(ctx.device)
     before = {(c["variant"], c["backend"]): c for c in (job_file(ctx.out / "d" / "overhead.json") or {}).get("cases", [])}
-    cases = []
+    cases: list[dict[str, Any]] = []
+    timer = "blocked_autorange" if ctx.skips_cuda else "do_bench"
+
+    def save() -> None:
+        """overhead.json: the cases this call has reached, then the earlier ones it has not (yet)."""
+        reached = {(c["variant"], c["backend"]) for c in cases}
+        rest = [before[key] for key in OVERHEAD_CASES if key in before and key not in reached]
+        write_json(ctx.out / "d" / "overhead.json", {"status": "ok", "timer": f"{timer}(median, rep={rep} ms)",
+                                                     "cases": cases + rest, "date": now()})
     for variant, backend in OVERHEAD_CASES:
         earlier = before.get((variant, backend), {})
         if earlier.get("status") == "ok" and not case_disturbed(earlier):
@@ -305,6 +314,7 @@ def part_overhead(ctx: Context) -> int:
         # kept the rounds it had measured), then this call's
         rounds = [*earlier.get("earlier_rounds", []),
                   *([{p: earlier[p] for p in ("fwd", "fwd_bwd")}] if earlier.get("status") == "ok" else [])]
+        kept = len(rounds)
         try:
             # The same work as the harness's: no gradients for the variant's own parameters (linear's E, F;
             # measure.param_grads is off), input gradients cleared before every call.
@@ -351,10 +361,19 @@ def part_overhead(ctx: Context) -> int:
         except Exception as e:
             case.update(status="error", reason=one_line(f"{type(e).__name__}: {e}")[:300],
                         **({"earlier_rounds": rounds} if rounds else {}))
+        except (KeyboardInterrupt, RunInterrupted) as e:
+            # A spent budget's SIGTERM or a Ctrl-C (inside a harness run, its RunInterrupted): the rounds
+            # this call measured are kept as a call ending there keeps them (the last one judged; still
+            # disturbed, it is measured again), with every case reached and the earlier ones not; the
+            # process then ends as interrupted, in its one line
+            if len(rounds) > kept:
+                cases.append({**case, **rounds[-1], **({"earlier_rounds": rounds[:-1]} if len(rounds) > 1 else {})})
+            save()
+            if isinstance(e, RunInterrupted):
+                raise (Terminated() if e.exit_code == Terminated.EXIT_CODE else KeyboardInterrupt()) from None
+            raise
         release_memory(ctx.device)
         cases.append(case)
         ctx.log(f"[d:overhead] {variant}/{backend}: {case}")
-    timer = "blocked_autorange" if ctx.skips_cuda else "do_bench"
-    write_json(ctx.out / "d" / "overhead.json", {"status": "ok", "timer": f"{timer}(median, rep={rep} ms)", "cases": cases,
-                                                 "date": now()})
+        save()  # each case as it ends: a crash later in this process (a lost CUDA context) loses none of it
     return 0

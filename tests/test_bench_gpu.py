@@ -1231,3 +1231,44 @@ def test_part_overhead_records_the_median_harness_run_over_the_median_raw_timing
     for p in ("fwd", "fwd_bwd"):
         assert lin[p]["harness_runs_ms"] == [1.0, 1.1, 1.5] and lin[p]["raw_ms"] == [1.0] * 4, lin[p]
         assert lin[p]["harness_ms"] == pytest.approx(1.1) and lin[p]["overhead"] == pytest.approx(0.1), lin[p]
+
+
+def test_an_interrupt_during_part_overhead_keeps_what_it_measured(tmp_path, monkeypatch):
+    """A spent budget's SIGTERM (or a Ctrl-C) during part_overhead: inside a harness run it is the run's
+    RunInterrupted, which ended the process in a traceback, and overhead.json was written at the end only:
+    every case and round that call had measured was lost. They are in the file, beside the earlier cases
+    not reached, and the interrupt ends the process as one (Terminated: its one line, exit 143)."""
+    import types
+
+    from harness import run as harness_run
+    from harness.signals import Terminated
+
+    bench, kernels, summary = load_bench()
+    monkeypatch.setattr(kernels, "OVERHEAD_CASES", [("linear", "sdpa"), ("linear", "math"), ("full", "sdpa_flash")])
+    ctx = bench.Context(dataclasses.replace(bench.SMOKE_PLAN, overhead_rounds=2), tmp_path, torch.device("cpu"),
+                        None, print, ["linear"])
+    (tmp_path / "d").mkdir()
+    earlier = {"variant": "full", "backend": "sdpa_flash", "seq_len": 256, "status": "error", "reason": "RuntimeError: x",
+               "earlier_rounds": [{"fwd": {"raw_ms": [1.0, 1.2]}, "fwd_bwd": {"raw_ms": [1.0, 1.2]}}]}
+    (tmp_path / "d" / "overhead.json").write_text(json.dumps({"status": "ok", "cases": [earlier]}))
+    # linear/sdpa steady; linear/math's first round disturbed (raw 1.0 and 1.2 in turn), its second interrupted
+    raw = iter([1.0] * 8 + [1.0, 1.0, 1.2, 1.2] * 2)
+    runs = iter([None] * 6 + [harness_run.RunInterrupted("interrupted (SIGTERM) after 0 of 1 points", 143)])
+
+    def fake_run(cfg, output_dir):
+        if (stop := next(runs)) is not None:
+            raise stop
+        record = {"fwd_ms": 1.0, "fwd_bwd_ms": 1.0, "fwd_iqr_ms": 0.001, "fwd_bwd_iqr_ms": 0.001}
+        return types.SimpleNamespace(rows=[types.SimpleNamespace(record=lambda: record)])
+
+    monkeypatch.setattr(harness_run, "run", fake_run)
+    monkeypatch.setattr(kernels, "raw_timer", lambda device: lambda fn, rep, grads: next(raw, 1.0))
+    with pytest.raises(Terminated):
+        kernels.part_overhead(ctx)
+    cases = {(c["variant"], c["backend"]): c for c in json.loads((tmp_path / "d" / "overhead.json").read_text())["cases"]}
+    assert set(cases) == {("linear", "sdpa"), ("linear", "math"), ("full", "sdpa_flash")}, cases
+    assert cases["linear", "sdpa"]["status"] == "ok" and not summary.case_disturbed(cases["linear", "sdpa"])
+    math = cases["linear", "math"]  # its one round, disturbed: measured again by the next call
+    assert math["status"] == "ok" and "earlier_rounds" not in math and summary.case_disturbed(math), math
+    assert math["fwd"]["raw_ms"] == [1.0, 1.2, 1.0, 1.2]
+    assert cases["full", "sdpa_flash"] == earlier
