@@ -10,9 +10,10 @@ median round kept (harness.results.median_run: among the rounds whose forward+ba
 Writes <out>/<name>/results.{jsonl,csv}, env.json, fit.json per variant (its later rounds in
 <out>/<name>/round-<r>/), and the combined <out>/results.csv (the kept rows), <out>/fit.json and
 <out>/SUMMARY.md (tables, fitted exponents, targets, the rounds' spread). The combined files hold every
-variant <out> has rows of from this machine, those --only left out included; SUMMARY.md names those
-measured on another machine. A row another command measured into <out>/<name> (another window, another
-batch) is no round of it, and is left out; a forward+backward time noisy in every round is marked so.
+variant <out> has rows of from this machine at every length it has, those --only or --seq-lens left out
+included; SUMMARY.md names those measured on another machine. A row another command measured into
+<out>/<name> (another window, another batch) is no round of it, and is left out; a forward+backward time
+noisy in every round is marked so.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def main() -> None:
     # The combined table: this invocation's variants and every other one --out holds from this machine
     # (an earlier --only), never dropped; one measured on another machine is named, not mixed in.
     names = [n for n in CONFIGS if n in args.only or candidates(args.out / n)]
+    # ... and every length they have here, those this invocation's --seq-lens left out included
+    args.seq_lens = sorted({*args.seq_lens, *(n for name in names for n in candidates(args.out / name))})
     elsewhere = {n: sorted({f"{r['device_name']}, {r['num_threads']} threads" for r in rs})
                  for n in CONFIGS if n not in names and (rs := stored(args.out / n))}
     for name in names:

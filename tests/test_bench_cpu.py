@@ -69,6 +69,22 @@ def test_two_variants_at_two_lengths(tmp_path):
     assert all(summary.count(f"| {name} |") == 5 for name in names) and "| full_sdpa |" not in summary
 
 
+def test_a_length_left_out_of_seq_lens_stays_in_the_combined_files(tmp_path):
+    """A run with fewer --seq-lens (one length again) rewrote results.csv, fit.json and SUMMARY.md with
+    those lengths alone: the other lengths <out> held, measured on this machine, were dropped from them, as
+    --only's left-out variants once were."""
+    cmd = [sys.executable, str(SCRIPT), "--only", "linear", "--min-run-time", "0.01", "--out", str(tmp_path),
+           "--wait-s", "0", "--rounds", "1"]
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    for lengths in (["128", "256"], ["128", "--resume"]):  # the second measures nothing: 128 is there
+        done = subprocess.run(cmd + ["--seq-lens", *lengths], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+    with open(tmp_path / "results.csv") as f:
+        assert [(r["variant"], r["seq_len"]) for r in csv.DictReader(f)] == [("linear", "128"), ("linear", "256")]
+    assert json.loads((tmp_path / "fit.json").read_text())["linear"]["seq_lens"] == [128, 256]
+    assert "| variant | N=128 | N=256 |" in (tmp_path / "SUMMARY.md").read_text()
+
+
 @pytest.mark.parametrize("name, code", [("Ctrl-C", 130), ("SIGTERM", 143)])
 def test_an_interrupt_ends_the_harness_it_runs_as_interrupted_in_its_one_line(tmp_path, name, code):
     """Ctrl-C reaches the script and the harness it runs: the harness records its run interrupted and says
