@@ -1272,3 +1272,28 @@ def test_an_interrupt_during_part_overhead_keeps_what_it_measured(tmp_path, monk
     assert math["status"] == "ok" and "earlier_rounds" not in math and summary.case_disturbed(math), math
     assert math["fwd"]["raw_ms"] == [1.0, 1.2, 1.0, 1.2]
     assert cases["full", "sdpa_flash"] == earlier
+
+
+def test_a_roof_measured_is_kept_when_its_step_runs_again(tmp_path, monkeypatch):
+    """roof runs again wherever state.json does not say it is complete (a damaged state.json set aside and
+    read as absent; an interrupt between the child's roof.json and the job's state): the roof it had
+    measured was replaced by a new measurement, not kept. It is kept: the step measures a roof that is not
+    there, as a damaged state.json's next call measures what was lost and only that."""
+    import types
+
+    bench, kernels, summary = load_bench()
+    testing = types.ModuleType("triton.testing")
+    testing.do_bench = lambda fn, **kw: (fn(), 0.5)[1]  # as on a GPU (stands in for triton's)
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    monkeypatch.setitem(sys.modules, "triton.testing", testing)
+    measured = {"status": "ok", "size": 8192, "tflops": {"bfloat16": 700.0, "float16": 710.0}, "date": "then"}
+    (tmp_path / "roof.json").write_text(json.dumps(measured))
+    (tmp_path / "state.json").write_text("[]")  # damaged: set aside, read as absent
+    ctx = bench.Context(bench.SMOKE_PLAN, tmp_path, torch.device("cpu"), None, print, ["linear"])
+    ctx.skips_cuda = False
+    assert not ctx.complete(next(s for s in ctx.steps() if s.name == "roof"))  # the step runs again
+    assert kernels.part_roof(ctx) == 0
+    assert json.loads((tmp_path / "roof.json").read_text()) == measured
+    (tmp_path / "roof.json").unlink()  # lost: measured again
+    assert kernels.part_roof(ctx) == 0
+    assert json.loads((tmp_path / "roof.json").read_text())["tflops"]["bfloat16"] > 0
