@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import numpy as np
 import torch
 
-from bench_gpu_summary import COMPARED, OURS_BARE, case_disturbed, d_done, job_file, side_rows
+from bench_gpu_summary import COMPARED, OURS_BARE, OVERHEAD_CASES, case_disturbed, d_done, job_file, side_rows
 from harness.config import one_line
 from harness.env import now
 from harness.job import BUDGET_SPENT
@@ -27,9 +27,6 @@ if TYPE_CHECKING:
     from bench_gpu import Context
 
 NEEDS_CUDA = "skipped: needs CUDA"
-# Three kinds of kernel: a pinned SDPA one, a compiled one (FlexAttention: on any CUDA machine with triton;
-# xformers' wheels did not run on the H100's CUDA 13) and a composition of torch ops
-OVERHEAD_CASES = [("full", "sdpa_flash"), ("sliding_window", "flex"), ("linear", "sdpa")]
 OVERHEAD_RUNS = 3  # harness runs per case, each between two raw timings: the median is judged
 
 
