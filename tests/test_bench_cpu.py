@@ -52,37 +52,23 @@ def test_two_variants_at_two_lengths(tmp_path):
     assert f"{ms:.4g}" in summary  # the tables are this run's numbers
     assert "not measured" in summary  # blockwise and full_math did not run: their target is not judged
 
-    # One variant again (--only, nothing left to measure): the other stays in the combined table, and a
-    # variant measured on another machine is named there, not mixed in
+    # One variant at one length again (--only, --seq-lens, nothing left to measure): the other variant and
+    # the other length stay in the combined files (a run with fewer lengths wrote them with its own alone),
+    # and a variant measured on another machine is named there, not mixed in
     (tmp_path / "full_sdpa").mkdir()
     (tmp_path / "full_sdpa" / "results.jsonl").write_text("".join(
         json.dumps({**json.loads(line), "variant": "full", "backend": "sdpa", "device_name": "Another CPU"}) + "\n"
         for line in (tmp_path / "linear" / "results.jsonl").read_text().splitlines()))
-    cmd = [c for c in cmd if c != "sliding_window"] + ["--resume"]
+    cmd = [c for c in cmd if c not in ("sliding_window", "256")] + ["--resume"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
     assert done.returncode == 0, done.stderr[-2000:]
     with open(tmp_path / "results.csv") as f:
         assert list(csv.DictReader(f)) == rows
+    assert json.loads((tmp_path / "fit.json").read_text())["linear"]["seq_lens"] == [128, 256]
     summary = (tmp_path / "SUMMARY.md").read_text()
     assert "This invocation measured linear; the rows of sliding_window are earlier invocations' on this machine" in summary
     assert "measured on another machine (compare within one machine): full_sdpa (Another CPU, " in summary
     assert all(summary.count(f"| {name} |") == 5 for name in names) and "| full_sdpa |" not in summary
-
-
-def test_a_length_left_out_of_seq_lens_stays_in_the_combined_files(tmp_path):
-    """A run with fewer --seq-lens (one length again) rewrote results.csv, fit.json and SUMMARY.md with
-    those lengths alone: the other lengths <out> held, measured on this machine, were dropped from them, as
-    --only's left-out variants once were."""
-    cmd = [sys.executable, str(SCRIPT), "--only", "linear", "--min-run-time", "0.01", "--out", str(tmp_path),
-           "--wait-s", "0", "--rounds", "1"]
-    env = {**os.environ, "WANDB_MODE": "disabled"}
-    for lengths in (["128", "256"], ["128", "--resume"]):  # the second measures nothing: 128 is there
-        done = subprocess.run(cmd + ["--seq-lens", *lengths], capture_output=True, text=True, timeout=300, env=env)
-        assert done.returncode == 0, done.stderr[-2000:]
-    with open(tmp_path / "results.csv") as f:
-        assert [(r["variant"], r["seq_len"]) for r in csv.DictReader(f)] == [("linear", "128"), ("linear", "256")]
-    assert json.loads((tmp_path / "fit.json").read_text())["linear"]["seq_lens"] == [128, 256]
-    assert "| variant | N=128 | N=256 |" in (tmp_path / "SUMMARY.md").read_text()
 
 
 @pytest.mark.parametrize("name, code", [("Ctrl-C", 130), ("SIGTERM", 143)])
