@@ -295,7 +295,10 @@ def part_overhead(ctx: Context) -> int:
     (ctx.out / "d").mkdir(parents=True, exist_ok=True)
     (B, H, D), N, rep = ctx.plan.shape, ctx.plan.overhead_seq_len, 100
     dtype, raw_ms = ctx.dtype, raw_timer(ctx.device)
-    before = {(c["variant"], c["backend"]): c for c in (job_file(ctx.out / "d" / "overhead.json") or {}).get("cases", [])}
+    earlier_file = job_file(ctx.out / "d" / "overhead.json") or {}
+    before = {(c["variant"], c["backend"]): c for c in earlier_file.get("cases", [])}
+    # A case measured when OVERHEAD_CASES listed it, and no longer: kept apart, in no target
+    retired = earlier_file.get("retired_cases", []) + [c for key, c in before.items() if key not in OVERHEAD_CASES]
     cases: list[dict[str, Any]] = []
     timer = "blocked_autorange" if ctx.skips_cuda else "do_bench"
 
@@ -304,7 +307,8 @@ def part_overhead(ctx: Context) -> int:
         reached = {(c["variant"], c["backend"]) for c in cases}
         rest = [before[key] for key in OVERHEAD_CASES if key in before and key not in reached]
         write_json(ctx.out / "d" / "overhead.json", {"status": "ok", "timer": f"{timer}(median, rep={rep} ms)",
-                                                     "cases": cases + rest, "date": now()})
+                                                     "cases": cases + rest, "date": now(),
+                                                     **({"retired_cases": retired} if retired else {})})
     for variant, backend in OVERHEAD_CASES:
         earlier = before.get((variant, backend), {})
         if earlier.get("status") == "ok" and not case_disturbed(earlier):
