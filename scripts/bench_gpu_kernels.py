@@ -277,6 +277,11 @@ def raw_timer(device: torch.device) -> Callable[[Callable[[], Any], int, list[to
     return cpu
 
 
+def last_judged(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A case's passes as overhead.json keeps them: the last round judged, the ones before it beside."""
+    return {**rounds[-1], **({"earlier_rounds": rounds[:-1]} if len(rounds) > 1 else {})}
+
+
 def part_overhead(ctx: Context) -> int:
     """The harness's fwd and fwd_bwd medians against raw do_bench of the same callable and shape,
     interleaved: raw, harness, raw, ... (OVERHEAD_RUNS harness runs, each between two raw timings). The
@@ -360,7 +365,7 @@ def part_overhead(ctx: Context) -> int:
                     break
                 raws = ", ".join(f"{p} {measured[p]['raw_ms']}" for p in calls)
                 ctx.log(f"[d:overhead] {variant}/{backend}: raw timings disturbed ({raws} ms): measuring again")
-            case.update(rounds[-1], **({"earlier_rounds": rounds[:-1]} if len(rounds) > 1 else {}))
+            case.update(last_judged(rounds))
         except Unavailable as e:
             case.update(status="skipped", reason=str(e))
         except Exception as e:
@@ -372,7 +377,7 @@ def part_overhead(ctx: Context) -> int:
             # disturbed, it is measured again), with every case reached and the earlier ones not; the
             # process then ends as interrupted, in its one line
             if len(rounds) > kept:
-                cases.append({**case, **rounds[-1], **({"earlier_rounds": rounds[:-1]} if len(rounds) > 1 else {})})
+                cases.append({**case, **last_judged(rounds)})
             save()
             if isinstance(e, RunInterrupted):
                 raise (Terminated() if e.exit_code == Terminated.EXIT_CODE else KeyboardInterrupt()) from None
