@@ -27,8 +27,11 @@ Pairs (ours / peer):
 The SDPA pairs need nothing beyond the project; the others need the peers: pip install -e ".[peers]".
 Writes <out>/results.json (every measurement) and <out>/table.md (ratios, machine facts), after each pair:
 a pair and N measured again replaces its earlier row, the others are kept (an --only run adds its pairs
-to the table; a run interrupted, then rerun, loses nothing it had measured). A directory of another
-machine's rows, or one another run is writing, is refused.
+to the table; a run interrupted, then rerun, loses nothing it had measured). A point that fails (an
+error, outputs that differ) is recorded as failed, with its one-line reason, and the run goes on to the
+next; a row an earlier run measured at that point is kept. The run then ends with exit code 1 and one
+line naming the failed points. A directory of another machine's rows, or one another run is writing, is
+refused.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import variants  # noqa: E402
 from bench_cpu import ALLOCATOR_ENV  # noqa: E402
-from harness.config import MeasureOptions, ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
+from harness.config import MeasureOptions, ctrl_c_is_one_line, one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
 from harness.env import OtherLoad, collect, now  # noqa: E402
 from harness.measure import time_fn  # noqa: E402
 from harness.report.markdown import table as markdown_table  # noqa: E402
@@ -194,13 +197,17 @@ def measure(fn: Fn, q, k, v, dout, opts: MeasureOptions) -> dict:
             "peak_mem_bytes": peak, "other_cpu_cores": load.stop()}
 
 
+class Differ(Exception):
+    """The two sides' outputs differ: the point is recorded as failed and nothing of it is timed."""
+
+
 def check_equal(ours: Fn, peer: Fn, layout: Layout, q, k, v, peer_inputs) -> float:
-    """Largest |ours − peer| over the output's largest magnitude; raises when above 1e-4."""
+    """Largest |ours − peer| over the output's largest magnitude; raises Differ when above 1e-4."""
     with torch.no_grad():
         a, b = ours(q, k, v), layout.back(peer(*peer_inputs))
     err = float((a - b).abs().max() / b.abs().max())
     if not err <= 1e-4:
-        raise SystemExit(f"bench_peers: outputs differ ({err:.2e} of the output's scale); nothing timed")
+        raise Differ(f"outputs differ ({err:.2e} of the output's scale); nothing timed")
     return err
 
 
@@ -243,17 +250,25 @@ def run_pair(pair: str, N: int, opts: MeasureOptions, rounds: int, max_other: fl
             "noise_reasons": reasons}
 
 
-def table(rows: list[dict], env: dict, args) -> str:
-    ns = sorted({r["seq_len"] for r in rows})
-    pairs = list(dict.fromkeys(r["pair"] for r in rows))
+def point(r: dict) -> tuple[int, int]:
+    """A row's or a failure's place: PAIRS' order (a pair no longer there last), then N."""
+    return list(PAIRS).index(r["pair"]) if r["pair"] in PAIRS else len(PAIRS), r["seq_len"]
+
+
+def table(rows: list[dict], failed: list[dict], env: dict, args) -> str:
+    ns = sorted({r["seq_len"] for r in rows + failed})
+    pairs = list(dict.fromkeys(r["pair"] for r in sorted(rows + failed, key=point)))
     at = {(r["pair"], r["seq_len"]): r for r in rows}
+    failed_at = {(f["pair"], f["seq_len"]) for f in failed}
     def ratio(p: str, n: int, metric: str) -> str:
         r = at.get((p, n))
-        return "" if r is None else f"{r[metric]:.2f}" + ("*" if r["noisy"] and metric == "time_ratio" else "")
+        if r is None:
+            return "failed" if (p, n) in failed_at else ""
+        return f"{r[metric]:.2f}" + ("*" if r["noisy"] and metric == "time_ratio" else "")
     lines = ["Ratios ours / peer on the same function (below 1: ours is cheaper); `*` measured while others "
              "kept cores busy, with a wide spread, or whose rounds disagree by more than 10%.", "",
              *markdown_table(["ours / peer", *(f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in ns)],
-                             [[f"{p} / {PAIRS[p][2]} ({what})", *(ratio(p, n, metric) for n in ns)]
+                             [[f"{p} / {PAIRS[p][2] if p in PAIRS else 'peer'} ({what})", *(ratio(p, n, metric) for n in ns)]
                               for metric, what in (("time_ratio", "time"), ("mem_ratio", "peak memory")) for p in pairs], 1),
              "", "Absolute, the median round: forward+backward ms (median ± IQR) and peak MiB, ours | peer; "
                  "every round's time ratio:", ""]
@@ -264,6 +279,9 @@ def table(rows: list[dict], env: dict, args) -> str:
           *(f"{s['peak_mem_bytes'] / 2**20:.1f}" for s in sides), ", ".join(f"{s['other_cpu_cores'] or 0:.2f}" for s in sides),
           " ".join(f"{x:.2f}" for x in r["round_time_ratios"]), f"{r['max_rel_err']:.1e}"]
          for r in rows for sides in [(r["ours_side"], r["peer_side"])]], 1)
+    if failed:
+        lines += ["", "Failed points, the latest attempt of each (where a ratio is shown, it is an earlier run's row):", ""]
+        lines += [f"- {f['pair']} N={f['seq_len']} ({f['at']}): {f['error']}" for f in failed]
     lines += ["", f"Machine: {env['device_name']}, {env['num_threads']} threads, torch {env['torch_version']}, "
                   f"code {env['code_version']}, allocator {env['allocator']}, load average {env['load_avg_1m']:.2f} at the start; "
                   f"timer torch.utils.benchmark blocked_autorange, {args.min_run_time} s per side; "
@@ -304,45 +322,60 @@ def main() -> None:
         lock = DirectoryLock(args.out).acquire()
     except LockedError as e:
         ap.error(f"--out {e}")
-    earlier = earlier_rows(args.out / "results.json", env, ap)
-    started, rows = now(), []
+    earlier, earlier_failed = earlier_results(args.out / "results.json", env, ap)
+    started, rows, failed = now(), [], []
     for N in args.seq_lens:  # interleaved: every pair at one N before the next N
         for pair in pairs:
-            row = run_pair(pair, N, opts, args.rounds, args.max_other_cores)
-            rows.append(row)
-            print(f"{pair:16s} N={N:6d} time {row['time_ratio']:.2f}x  memory {row['mem_ratio']:.2f}x"
-                  f"{'  (noisy)' if row['noisy'] else ''}", flush=True)
-            # Written after every pair, so an interrupted run keeps what it measured, and the earlier rows
-            # it has not measured again
-            done = {(r["pair"], r["seq_len"]) for r in rows}
-            kept = sorted([r for r in earlier if (r["pair"], r["seq_len"]) not in done] + rows,
-                          key=lambda r: (list(PAIRS).index(r["pair"]), r["seq_len"]))
+            try:
+                row = run_pair(pair, N, opts, args.rounds, args.max_other_cores)
+            except Exception as e:  # an allocation refused, a peer's error, outputs that differ: this point's result
+                reason = str(e) if isinstance(e, Differ) else one_line(f"{type(e).__name__}: {e}")
+                failed.append({"pair": pair, "seq_len": N, "error": reason, "at": now()})
+                print(f"{pair:16s} N={N:6d} failed: {reason}", flush=True)
+            else:
+                rows.append(row)
+                print(f"{pair:16s} N={N:6d} time {row['time_ratio']:.2f}x  memory {row['mem_ratio']:.2f}x"
+                      f"{'  (noisy)' if row['noisy'] else ''}", flush=True)
+            # Written after every point, so an interrupted run keeps what it measured, and the earlier rows
+            # it has not measured again. A failure replaces no row (an earlier run's measurement is kept);
+            # a point measured now has no failure left, and one failed now only its latest.
+            done = {point(r) for r in rows}
+            tried = done | {point(f) for f in failed}
+            kept = sorted([r for r in earlier if point(r) not in done] + rows, key=point)
+            failures = sorted([f for f in earlier_failed if point(f) not in tried] + failed, key=point)
             write_json(args.out / "results.json", {"started": started, "finished": now(), "env": env,
                                                    "workload": {"B": B, "H": H, "D": D, "dtype": "float32"},
-                                                   "min_run_time": args.min_run_time, "rows": kept})
-            atomic_write(args.out / "table.md", table(kept, env, args))
+                                                   "min_run_time": args.min_run_time, "rows": kept, "failed": failures})
+            atomic_write(args.out / "table.md", table(kept, failures, env, args))
     lock.release()
     print((args.out / "table.md").read_text())
+    if failed:
+        print(f"bench_peers: {len(failed)} point(s) failed, recorded in results.json and table.md: "
+              + "; ".join(f"{f['pair']} N={f['seq_len']}: {f['error']}" for f in failed), file=sys.stderr)
+        sys.exit(1)
 
 
-def earlier_rows(path: Path, env: dict, ap: argparse.ArgumentParser) -> list[dict]:
-    """The rows an earlier run wrote to ``path`` (none where there is no file), kept beside this run's;
-    a file this script did not write, or of another machine (its table states one), is refused."""
+def earlier_results(path: Path, env: dict, ap: argparse.ArgumentParser) -> tuple[list[dict], list[dict]]:
+    """The rows and the failed points an earlier run wrote to ``path`` (none where there is no file), kept
+    beside this run's; a file this script did not write, or of another machine (its table states one), is
+    refused."""
     if not path.exists():
-        return []
+        return [], []
     try:
         old = json.loads(path.read_bytes())
-        rows, where = old["rows"], machine({**old["env"], "device": "cpu"})
-        if not (isinstance(rows, list) and all(isinstance(r, dict) and {"pair", "seq_len"} <= set(r) for r in rows)):
+        rows, failed, where = old["rows"], old.get("failed", []), machine({**old["env"], "device": "cpu"})
+        if not all(isinstance(x, list) and all(isinstance(r, dict) and {"pair", "seq_len"} <= set(r) for r in x)
+                   for x in (rows, failed)):
             raise ValueError("no rows")
     except (ValueError, KeyError, TypeError):
         ap.error(f"--out {path} is not a results.json this script wrote (give another --out, or move it away)")
     if where != machine({**env, "device": "cpu"}):
         ap.error(f"--out {path.parent} holds measurements of another machine ({where[0]}, {where[1]} threads) and "
                  f"this is {env['device_name']} ({env['num_threads']} threads): give another --out")
-    if rows:
-        print(f"bench_peers: keeping {len(rows)} earlier row(s) of {path} (a pair and N measured again replaces its row)")
-    return rows
+    if rows or failed:
+        print(f"bench_peers: keeping {len(rows)} earlier row(s)" + (f" and {len(failed)} failed point(s)" if failed else "")
+              + f" of {path} (a pair and N measured again replaces its row)")
+    return rows, failed
 
 
 if __name__ == "__main__":

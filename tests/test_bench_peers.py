@@ -166,3 +166,66 @@ def test_a_peers_layout_is_made_outside_its_timed_calls(tmp_path):
     res, _ = run(tmp_path, ["linear"], seq_lens=["1024"])
     (row,) = res["rows"]
     assert row["mem_ratio"] == 1.0, (row["ours_side"]["peak_mem_bytes"], row["peer_side"]["peak_mem_bytes"])
+
+
+def test_a_point_that_fails_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """An exception in one pair (a peer's error, an allocation refused) ended the whole run in a traceback,
+    and outputs that differ in a SystemExit: the points after it were never measured. Now each is recorded
+    as failed with its one-line reason, the run goes on, and it ends with exit code 1 and one line. A
+    failure replaces no row measured before; a point measured later has no failure left. In this process:
+    the failures are made by wrapping the pairs' builders."""
+    peers = load_script("bench_peers")
+    for name, value in peers.ALLOCATOR_ENV.items():  # else main() execs itself with them
+        monkeypatch.setenv(name, value)
+    make, _, label = peers.PAIRS["blockwise_exact"]
+
+    def fails_at(n):
+        def build(N):
+            if N == n:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory:\n  you tried to allocate 1 byte")
+            return make(N)
+        return build
+
+    def differs(N):
+        ours, peer, layout = make(N)
+        return ours, lambda q, k, v: 2 * peer(q, k, v), layout
+
+    def main(*args):
+        monkeypatch.setattr(sys, "argv", ["bench_peers.py", "--min-run-time", "0.01", "--rounds", "1",
+                                          "--out", str(tmp_path), *args])
+        try:
+            code = peers.main() or 0
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        res = json.loads((tmp_path / "results.json").read_text())
+        return code, err, res, [(r["pair"], r["seq_len"]) for r in res["rows"]], \
+            {(f["pair"], f["seq_len"]): f for f in res["failed"]}
+
+    monkeypatch.setitem(peers.PAIRS, "blockwise_exact", (fails_at(256), None, label))
+    monkeypatch.setitem(peers.PAIRS, "sparse_bigbird", (differs, None, label))
+    code, err, res, rows, failed = main("--seq-lens", "128", "256", "--only", "blockwise_exact", "sparse_bigbird",
+                                        "sparse_fixed")
+    assert code == 1 and err.count("\n") == 1, err[-2000:]
+    assert err.startswith("bench_peers: 3 point(s) failed, recorded in results.json and table.md: ")
+    assert "blockwise_exact N=256: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried" in err
+    assert rows == [("blockwise_exact", 128), ("sparse_fixed", 128), ("sparse_fixed", 256)]
+    assert set(failed) == {("blockwise_exact", 256), ("sparse_bigbird", 128), ("sparse_bigbird", 256)}
+    assert failed[("sparse_bigbird", 128)]["error"].startswith("outputs differ (")
+    text = (tmp_path / "table.md").read_text()
+    assert "| sparse_bigbird / SDPA (time) | failed | failed |" in text
+    assert "- blockwise_exact N=256 (" in text
+
+    # blockwise_exact mended, and now failing at the N it measured before: that row is kept, its failure
+    # recorded; the N it failed at before is measured, its failure gone; sparse_bigbird's 256 failed again,
+    # its 128 was not tried (kept).
+    monkeypatch.setitem(peers.PAIRS, "blockwise_exact", (fails_at(128), None, label))
+    before = rows
+    code, err, res, rows, failed = main("--seq-lens", "128", "256", "--only", "blockwise_exact")
+    assert code == 1 and "1 point(s) failed" in err
+    assert rows == [("blockwise_exact", 128), ("blockwise_exact", 256), *before[1:]]
+    assert set(failed) == {("blockwise_exact", 128), ("sparse_bigbird", 128), ("sparse_bigbird", 256)}
+    monkeypatch.setitem(peers.PAIRS, "sparse_bigbird", peers.PAIRS["sparse_fixed"])
+    code, err, res, rows, failed = main("--seq-lens", "256", "--only", "sparse_bigbird")
+    assert code == 0 and set(failed) == {("blockwise_exact", 128), ("sparse_bigbird", 128)}
+    assert ("sparse_bigbird", 256) in rows and len(rows) == 5
