@@ -338,11 +338,18 @@ def table21_fit(points: list[dict[str, Any]]) -> dict[str, float] | None:
 
 def gpu_tests(out: Path) -> dict[str, Any]:
     """The GPU tests' outcomes, the last one per test, from tests-gpu.jsonl (gpu_job.sh's pytest run);
-    tests-gpu.rc is there once every test has one."""
-    last = {r["test"]: r for r in side_rows(out / "tests-gpu.jsonl")}
+    tests-gpu.rc is there once every test has one. ``earlier``: the counts of each run of every test
+    before it (RERUN_TESTS=1 kept them beside, as tests-gpu.<time>.jsonl), whose failures would otherwise
+    go unseen."""
+    def outcomes(path: Path) -> dict[str, dict[str, Any]]:
+        return {r["test"]: r for r in side_rows(path)}
+
+    last = outcomes(out / "tests-gpu.jsonl")
     return {"all_run": (out / "tests-gpu.rc").exists(), "counts": dict(Counter(r["outcome"] for r in last.values())),
             "failed": [r for r in last.values() if r["outcome"] in ("failed", "error")],
-            "skipped": dict(Counter(r["message"] for r in last.values() if r["outcome"] == "skipped"))}
+            "skipped": dict(Counter(r["message"] for r in last.values() if r["outcome"] == "skipped")),
+            "earlier": {p.name: dict(Counter(r["outcome"] for r in outcomes(p).values()))
+                        for p in sorted(out.glob("tests-gpu.*.jsonl"))}}
 
 
 def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> str:
@@ -367,6 +374,9 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
         lines += [""]
     if tests["skipped"]:
         lines += table(["skipped, because", "tests"], [[m, n] for m, n in tests["skipped"].items()]) + [""]
+    lines += [f"An earlier run of every test, kept beside: `{name}`, "
+              + (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no outcome") + "." for name, counts in
+              tests["earlier"].items()] + ([""] if tests["earlier"] else [])
     lines += ["## Targets", ""]
     lines += table(["target", "status", "measured", "gap"],
                    [[t["text"], f"**{t['status']}**", t["detail"] or "-", t["gap"] or "-"] for t in res["targets"]])

@@ -1320,3 +1320,13 @@ def test_a_roof_measured_is_kept_when_its_step_runs_again(tmp_path, monkeypatch)
     (tmp_path / "roof.json").unlink()  # lost: measured again
     assert kernels.part_roof(ctx) == 0
     assert json.loads((tmp_path / "roof.json").read_text())["tflops"]["bfloat16"] > 0
+
+
+def test_an_earlier_run_of_every_test_is_counted_in_the_summary():
+    """RERUN_TESTS=1 keeps the earlier outcomes beside (tests-gpu.<time>.jsonl); SUMMARY.md counted only the
+    latest run's, so a test that failed and then passed left no trace there. The committed H100 directory
+    holds one such earlier run."""
+    _, _, summary = load_bench()
+    tests = summary.gpu_tests(ROOT / "results" / "gpu" / "2026-11-27-nvidia-h100-80gb-hbm3")
+    assert tests["earlier"] == {"tests-gpu.20261127T034052Z.jsonl": {"passed": 189, "skipped": 40}}
+    assert tests["counts"] == {"passed": 189, "skipped": 40}
