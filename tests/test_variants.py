@@ -20,7 +20,8 @@ from variants.blocksparse import MaskedAttention
 
 from .conftest import VARIANT_YAMLS, qkv
 
-# Lengths that are not a multiple of any block size used below (8, 16, 64, 128).
+# Lengths: 97 is prime (no block, bucket or chunk size used below divides it but 1); 200 is a multiple of 8
+# (the sparse cases with block_size 8, reformer's bucket_size 8), of none of the others (16, 64, 128, ...).
 LENGTHS = (97, 200)
 
 # Edge options per variant, beside each conf/variant/*.yaml as shipped.
@@ -52,6 +53,7 @@ CASES = [
     ("adaptive_span", {"max_span": 0, "ramp": 1}),  # each query sees only itself
     ("adaptive_span", {"max_span": 30, "ramp": 8, "init_span": 12.5, "num_heads": 2}),
     ("adaptive_span", {"max_span": 300}),  # spans past N: full attention
+    ("adaptive_span", {"max_span": 40, "ramp": 8, "init_span": 12.5}),  # one span shared by every head
     ("reformer", {"bucket_size": 16, "n_hashes": 1}),
     ("reformer", {"bucket_size": 16, "n_hashes": 3}),
     ("reformer", {"bucket_size": 8, "n_hashes": 2, "n_buckets": 4}),  # few buckets: many duplicates
@@ -87,22 +89,27 @@ def expand(cases):
 
 
 def assert_matches_reference(attn, N, causal, dtype, B=2, H=2, D=16):
+    """Output and the gradients of q, k, v and of the variant's own parameters (linear's E, F; adaptive_span's
+    z), each against the float64 reference's."""
     q, k, v = qkv(B, H, N, D, dtype=dtype, seed=N)
     out = attn(q, k, v, causal=causal)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))  # the oracle's own leaves
     ref = attn.reference(q64, k64, v64, causal=causal)
     assert out.shape == (B, H, N, D) and out.dtype == dtype and ref.dtype == torch.float64
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    names, params = zip(*attn.named_parameters()) if list(attn.parameters()) else ((), ())
     # allow_unused: reformer reads no k (shared-QK); then both gradients must be None.
-    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype), allow_unused=True)
-    want = torch.autograd.grad(ref, (q64, k64, v64), grad, allow_unused=True)
+    got = torch.autograd.grad(out, (q, k, v, *params), grad.to(dtype), allow_unused=True)
+    want = torch.autograd.grad(ref, (q64, k64, v64, *params), grad, allow_unused=True)
     # Absolute tolerance scaled by the reference's magnitude: float32 rounding grows with it.
     eps = 1e-10 if dtype == torch.float64 else 2e-5
-    for name, g, w in [("out", out, ref)] + list(zip(("dq", "dk", "dv"), got, want)):
+    for name, g, w in [("out", out, ref)] + list(zip(("dq", "dk", "dv", *(f"d{n}" for n in names)), got, want)):
         if g is None or w is None:
             assert g is None and w is None and name == "dk" and attn.name == "reformer", name
             continue
-        torch.testing.assert_close(g.double(), w, rtol=eps * 10, atol=eps * max(1.0, w.abs().max().item()),
+        # A parameter's gradient is stored in its own dtype (float32 in a float64 call): one rounding of it.
+        e = max(eps, torch.finfo(w.dtype).eps)
+        torch.testing.assert_close(g.double(), w.double(), rtol=e * 10, atol=e * max(1.0, w.abs().max().item()),
                                    msg=lambda m: f"{name}: {m}")
 
 
