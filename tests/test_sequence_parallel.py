@@ -19,7 +19,7 @@ import variants
 from harness.config import ConfigError, settings_from_config
 from harness.distributed import Rendezvous, free_port, init_group
 from harness.memory import cpu_peak_bytes
-from variants import VariantError
+from variants import VariantError, dense_attention
 from variants.seqpar import shard, shard_runs, unshard
 
 from .conftest import ROOT, qkv, refusal
@@ -71,6 +71,7 @@ def every_check(rank, P, out_path):
 
     checks = {"float64": lambda: check_against_reference(rank, P, RING_CASES + ULYSSES_CASES, torch.float64),
               "float32": lambda: check_against_reference(rank, P, RING_CASES[1:2] + RING_CASES[3:], torch.float32),
+              "bfloat16": lambda: check_against_reference(rank, P, RING_CASES, torch.bfloat16),
               "peak": lambda: measure_peak(rank, P),
               "ulysses_peak": lambda: ulysses_peaks(rank, P),
               "indivisible": lambda: ulysses_indivisible(rank, P)}
@@ -141,8 +142,17 @@ def check_against_reference(rank, P, cases, dtype):
             for p in params:
                 got.append(p.grad.clone())
                 dist.all_reduce(got[-1])
-            eps = 1e-10 if dtype == torch.float64 else 2e-5
             names = ("out", "dq", "dk", "dv", *(f"d{n}" for n, _ in attn.named_parameters()))
+            if dtype.itemsize == 2:  # half: flash-attention's rule, against dense attention computed in ``dtype``
+                from .test_gpu_backends import assert_fa_rule
+
+                naive_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                inner = attn.wrapped
+                naive = dense_attention(*naive_in, inner.mask(N, causal), inner.scale(q.shape[-1]))
+                naive_g = torch.autograd.grad(naive, naive_in, grad.to(dtype))
+                assert_fa_rule(zip(names, got, want, [naive, *naive_g], strict=True), dtype, "dense")
+                continue
+            eps = 1e-10 if dtype == torch.float64 else 2e-5
             for what, g, w in zip(names, got, want, strict=True):
                 torch.testing.assert_close(g.double(), w, rtol=eps * 10, atol=eps * max(1.0, w.abs().max().item()),
                                            msg=lambda m: f"P={P} {name} {options} causal={causal} {what}: {m}")
@@ -156,6 +166,13 @@ def test_ring_and_ulysses_equal_the_float64_reference(ranks, P):
 @pytest.mark.parametrize("P", [2, 3])
 def test_ring_float32_within_rounding(ranks, P):
     passed(ranks(P), "float32")
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_ring_bfloat16_within_flash_attentions_rule(ranks, P):
+    """Ring's half-precision path (float32 accumulators, its inputs and gradients sent in bfloat16): within
+    twice the error of the whole attention computed in bfloat16, outputs and gradients, causal and not."""
+    passed(ranks(P), "bfloat16")
 
 
 def test_layouts_and_unshard():
