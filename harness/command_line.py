@@ -27,7 +27,7 @@ def check(argv: list[str]) -> None:
     from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    from harness.config import ConfigError, check_output_dir, launched, one_line
+    from harness.config import HARNESS, ConfigError, check_output_dir, check_results_dir, launched, one_line
 
     launched()  # torchrun's or SLURM's variables, read by Hydra's callbacks and the run: integers
     args = hydra_args(argv)
@@ -73,6 +73,9 @@ def check(argv: list[str]) -> None:
             output_dir = OmegaConf.select(base, "output_dir")  # results go there instead (harness.config refuses '')
             if isinstance(output_dir, str) and output_dir.strip():
                 check_output_dir(output_dir)
+            if not multirun:  # a run's env.json and status.json would replace another command's (bench_gpu's)
+                check_results_dir(output_dir if isinstance(output_dir, str) and output_dir.strip() else run_dir,
+                                  HARNESS, ("env.json", "status.json"))
             if multirun:
                 check_launcher(OmegaConf.select(base, "hydra.launcher") or {})
                 params = OmegaConf.select(base, "hydra.sweeper.params") or {}

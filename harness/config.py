@@ -435,6 +435,53 @@ def check_output_dir(path: str | Path) -> None:
                           f"and first results)")
 
 
+HARNESS, BENCH_CPU, BENCH_GPU = "python -m harness", "scripts/bench_cpu.py", "scripts/bench_gpu.py"
+
+
+def results_of(path: str | Path) -> dict[str, str]:
+    """The commands whose results ``path`` holds at its top, each with the file that tells (a file only that
+    command writes there): a run's results.jsonl or status.json, bench_cpu's and bench_gpu's SUMMARY.md,
+    bench_gpu's state.json or env.json (an array of its invocations; a run's is an object)."""
+    path = Path(path)
+    found: dict[str, str] = {}
+
+    def head(name: str) -> str:
+        try:
+            with open(path / name, "rb") as f:
+                return f.read(64).decode("utf-8", "replace")
+        except OSError:  # absent, a directory, unreadable
+            return ""
+    for name in ("results.jsonl", "status.json"):
+        if (path / name).is_file():
+            found.setdefault(HARNESS, name)
+    summary = head("SUMMARY.md")
+    if summary.startswith("# CPU benchmark"):
+        found[BENCH_CPU] = "SUMMARY.md"
+    if summary.startswith("# GPU benchmark"):
+        found[BENCH_GPU] = "SUMMARY.md"
+    elif (path / "state.json").is_file():
+        found[BENCH_GPU] = "state.json"
+    elif head("env.json").lstrip().startswith("["):
+        found[BENCH_GPU] = "env.json"
+    return found
+
+
+def check_results_dir(path: str | Path, command: str, writes: tuple[str, ...]) -> None:
+    """Refuses ``path`` where it holds another command's results and ``command`` would write over one of its
+    files there (``writes``: the files ``command`` writes at the directory's top). Each wrote over the
+    others' once: bench_cpu's results.csv and fit.json replaced a run's, bench_gpu's SUMMARY.md bench_cpu's
+    (and a run's env.json, read as a damaged one of bench_gpu's, was moved aside), a run's env.json
+    bench_gpu's record of its invocations."""
+    path = Path(path)
+    replaced = [name for name in writes if (path / name).exists()]
+    others = {c: f for c, f in results_of(path).items() if c != command}
+    if replaced and others:
+        other, sign = next(iter(others.items()))
+        raise ConfigError(f"cannot write results to {path}: it holds the results of {other} ({sign}), whose "
+                          f"{', '.join(replaced)} {command} would write over; allowed: a directory of {command}'s "
+                          f"own, or a new one")
+
+
 NAME_MAX = 255  # bytes in a file name (ext4, xfs, NFS): a longer job directory fails in Hydra's mkdir
 PATH_MAX = 4096  # bytes in a path, its terminating null included (Linux)
 

@@ -38,7 +38,8 @@ exit_at_startup_interrupts("bench_cpu.py")
 
 # No torch here (harness.env imports it): the command line is checked, and the process re-executed with
 # ALLOCATOR_ENV, before torch's import (seconds) is paid, and paid once.
-from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg, wait_through_ctrl_c  # noqa: E402
+from harness.config import (BENCH_CPU, ConfigError, check_results_dir, ctrl_c_is_one_line, one_line_errors,  # noqa: E402
+                            output_dir_arg, positive_arg, wait_through_ctrl_c)
 from harness.report.markdown import table as markdown_table  # noqa: E402
 from harness.results import (Result, fit_exponents, latest, machine, median_run, read_jsonl, untrusted,  # noqa: E402
                              write_csv, write_json)
@@ -94,6 +95,10 @@ def main() -> None:
     ap.add_argument("--glibc-default", action="store_true",
                     help=f"keep glibc's default allocator settings (otherwise re-run with {ALLOCATOR_ENV})")
     args = ap.parse_args()
+    try:  # a run's directory (its results.csv, fit.json), bench_gpu's (its SUMMARY.md): not written over
+        check_results_dir(args.out, BENCH_CPU, ("results.csv", "fit.json", "SUMMARY.md"))
+    except ConfigError as e:
+        ap.error(f"argument --out: {e}")
     args.seq_lens = list(dict.fromkeys(args.seq_lens))  # a length given twice is one point (it was two columns)
     if not args.glibc_default and any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})

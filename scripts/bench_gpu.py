@@ -62,7 +62,8 @@ import torch  # noqa: E402
 from bench_gpu_kernels import part_overhead, part_public, part_roof, public_list  # noqa: E402
 from bench_gpu_summary import (COMPARED, EXPONENT_TARGETS, TABLE21, case_disturbed, d_done, invocations,  # noqa: E402
                                job_file, n2, other_device, side_rows, summarize)
-from harness.config import ctrl_c_is_one_line, one_line_errors, output_dir_arg, positive_arg  # noqa: E402
+from harness.config import (BENCH_GPU, ConfigError, check_results_dir, ctrl_c_is_one_line, one_line_errors,  # noqa: E402
+                            output_dir_arg, positive_arg)
 from harness.env import device_name, now  # noqa: E402
 from harness.job import COMPILED, Job, Step, with_seq_lens  # noqa: E402
 from harness.results import LockedError, write_json  # noqa: E402
@@ -298,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     reader = "--summary-only" if args.summary_only else "--pending" if args.pending else None
     if reader and not out.is_dir():  # made here, it would hold a summary of nothing
         ap.error(f"{reader} reads the results directory of an earlier run (--out DIR); {out} does not exist")
+    if not args.child:  # a run's directory (its env.json), bench_cpu's (its SUMMARY.md): not written over
+        try:
+            check_results_dir(out, BENCH_GPU, ("env.json", "state.json", "SUMMARY.md", "summary.json", "roof.json"))
+        except ConfigError as e:
+            ap.error(f"argument --out: {e}")
     out.mkdir(parents=True, exist_ok=True)
     recorded = None
     if reader:  # judged as on the machine that measured: a GPU's results stay a GPU's elsewhere

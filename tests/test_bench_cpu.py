@@ -152,6 +152,31 @@ def test_what_the_harness_refuses_is_its_one_line_and_exit_code(tmp_path):
     assert refusal(tmp_path, "--memory-budget-gb", "1e9").startswith("error: memory_budget_gb=1e+09 exceeds")
 
 
+def test_an_out_holding_another_commands_results_is_one_line_and_left_as_it_was(tmp_path, monkeypatch, capsys):
+    """A run's directory: bench_cpu wrote its combined results.csv and fit.json over the run's, exit 0;
+    bench_gpu's: its SUMMARY.md over the GPU benchmark's. In this process (refused before anything runs)."""
+    run_dir, gpu = tmp_path / "run", tmp_path / "gpu"
+    for folder, files in ((run_dir, {"results.jsonl": "{}\n", "results.csv": "variant\n", "fit.json": "{}\n"}),
+                          (gpu, {"SUMMARY.md": "# GPU benchmark\n", "env.json": "[]\n"})):
+        folder.mkdir()
+        for name, text in files.items():
+            (folder / name).write_text(text)
+    bench = load_script("bench_cpu")
+    for folder, sign, replaced in ((run_dir, "python -m harness (results.jsonl)", "results.csv, fit.json"),
+                                   (gpu, "scripts/bench_gpu.py (SUMMARY.md)", "SUMMARY.md")):
+        kept = {p.name: p.read_bytes() for p in folder.iterdir()}
+        monkeypatch.setattr(sys, "argv", ["bench_cpu.py", "--only", "full_sdpa", "--seq-lens", "32", "--rounds", "1",
+                                          "--min-run-time", "0.01", "--wait-s", "0", "--glibc-default", "--out", str(folder)])
+        with pytest.raises(SystemExit) as exit_:
+            bench.main()
+        out, err = capsys.readouterr()
+        assert (exit_.value.code, out) == (2, ""), err[-2000:]
+        assert err == (f"bench_cpu.py: error: argument --out: cannot write results to {folder}: it holds the results of "
+                       f"{sign}, whose {replaced} scripts/bench_cpu.py would write over; allowed: a directory of "
+                       f"scripts/bench_cpu.py's own, or a new one; see --help\n")
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == kept
+
+
 def test_the_rounds_are_this_machines_latest_rows(tmp_path):
     """A point measured again counts once (its latest row), and rows another machine took are not rounds
     of this one's benchmark (a resumed benchmark measures them again)."""

@@ -1122,6 +1122,32 @@ def test_an_env_json_entry_edited_by_hand_is_set_aside_not_a_traceback(tmp_path,
     assert not (tmp_path / "env.json").exists() and len(list(tmp_path.glob("env.json.damaged-*"))) == 1
 
 
+def test_an_out_holding_another_commands_results_is_one_line_and_left_as_it_was(tmp_path, capsys):
+    """--summary-only into bench_cpu's results wrote a GPU summary of nothing over its SUMMARY.md, exit 0;
+    --pending (any invocation) into a run's directory moved the run's env.json aside as a damaged one of
+    bench_gpu's, exit 0."""
+    bench, _, _ = load_bench()
+    cpu, run_dir = tmp_path / "cpu", tmp_path / "run"
+    for folder, files in ((cpu, {"SUMMARY.md": "# CPU benchmark: time and peak memory against sequence length\n",
+                                 "results.csv": "variant\n"}),
+                          (run_dir, {"results.jsonl": "{}\n", "env.json": '{"device_name": "AMD EPYC"}\n'})):
+        folder.mkdir()
+        for name, text in files.items():
+            (folder / name).write_text(text)
+    for folder, sign, replaced, args in ((cpu, "scripts/bench_cpu.py (SUMMARY.md)", "SUMMARY.md", ["--summary-only"]),
+                                         (run_dir, "python -m harness (results.jsonl)", "env.json", ["--smoke", "--pending"])):
+        kept = {p.name: p.read_bytes() for p in folder.iterdir()}
+        with pytest.raises(SystemExit) as exit_:
+            bench.main([*args, "--out", str(folder)])
+        out, err = capsys.readouterr()
+        assert (exit_.value.code, out) == (2, ""), err[-2000:]
+        assert err.count("\n") == 1 and err.endswith(
+            f": error: argument --out: cannot write results to {folder}: it holds the results of {sign}, whose {replaced} "
+            f"scripts/bench_gpu.py would write over; allowed: a directory of scripts/bench_gpu.py's own, or a new one; "
+            f"see --help\n"), err
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == kept
+
+
 def test_the_repositorys_path_is_written_as_dot_and_a_directory_beside_it_is_left_alone(tmp_path):
     """The results name the repository ".", not where it lay; a directory beside it whose name begins with
     the repository's (``<root>_results``) is another path, kept (it became ``._results``)."""

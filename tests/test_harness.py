@@ -768,6 +768,30 @@ def test_late_refusals_are_one_line_exit_2_before_hydra_writes(tmp_path):
                        cwd) == f"error: {want}", args
 
 
+def test_a_directory_of_another_commands_results_is_refused_and_left_as_it_was(tmp_path):
+    """bench_gpu's results directory: a run into it (hydra.run.dir or output_dir) wrote its env.json over
+    bench_gpu's record of its invocations (the device its results were measured on), exit 0. Refused by the
+    command line's check (in this process: conftest.refusal). bench_cpu's combined table is no such
+    directory: a run moves its results.csv aside (test_reliability.py), and nothing of it is written over."""
+    from harness.command_line import check
+
+    gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
+    for folder, files in ((gpu, {"SUMMARY.md": "# GPU benchmark\n", "env.json": '[{"device": "cuda"}]\n'}),
+                          (cpu, {"SUMMARY.md": "# CPU benchmark: time and peak memory against sequence length\n",
+                                 "results.csv": "variant\n"})):
+        folder.mkdir()
+        for name, text in files.items():
+            (folder / name).write_text(text)
+    kept = {p.name: p.read_bytes() for p in gpu.iterdir()}
+    want = (f"error: cannot write results to {gpu}: it holds the results of scripts/bench_gpu.py (SUMMARY.md), whose "
+            f"env.json python -m harness would write over; allowed: a directory of python -m harness's own, or a new one")
+    for i, where in enumerate([f"hydra.run.dir={gpu}", f"output_dir={gpu}"]):
+        (tmp_path / str(i)).mkdir()
+        assert refusal([where, "seq_len=32", "logger=none"], tmp_path / str(i)) == want, where
+    assert {p.name: p.read_bytes() for p in gpu.iterdir()} == kept
+    check([f"hydra.run.dir={cpu}", "seq_len=32", "logger=none"])  # not refused
+
+
 def test_a_module_the_machine_cannot_hold_is_refused_before_it_is_built(tmp_path):
     """linear's E and F, each 0.6 of the memory available (each passing the kernel's overcommit check, so
     allocated and filled), got the process ended by the OOM killer: no line, no row; a model of 10¹¹ layers
