@@ -70,6 +70,12 @@ def check(argv: list[str]) -> None:
                 raise ConfigError(f"{key} is empty (an unset variable?); allowed: a directory path "
                                   f"(Hydra would write into the current directory)")
             check_output_dir(run_dir)
+            subdir = OmegaConf.select(base, "hydra.output_subdir")  # Hydra writes the job's config there first
+            if subdir is not None and str(subdir).strip():
+                try:
+                    check_output_dir(Path(run_dir) / ("JOB" if multirun else "") / str(subdir))
+                except ConfigError as e:
+                    raise ConfigError(f"hydra.output_subdir={subdir}: {e}") from None
             output_dir = OmegaConf.select(base, "output_dir")  # results go there instead (harness.config refuses '')
             if isinstance(output_dir, str) and output_dir.strip():
                 check_output_dir(output_dir)
@@ -175,6 +181,16 @@ def compose_job(name: str, overrides: list[str], jobs: list[list[str]], mode=Non
                 if is_group(key) and not name_like:
                     one_of(key, value, tuple(loader.get_group_options(key)))
         raise ConfigError(one_line(e)) from None
+    except (AssertionError, AttributeError):  # OmegaConf updating a null node: tracebacks
+        # hydra.sweeper.params is null unless a sweep preset sets it: a key of it set from the command line
+        # (hydra.sweeper.params.variant=full,linear) failed inside Hydra's composition
+        touched = [o for o in overrides if key_of(o).lstrip("+~").startswith("hydra.sweeper.params")]
+        if not touched:
+            raise
+        presets = ", ".join(sorted(GlobalHydra.instance().config_loader().get_group_options("sweep")))
+        raise ConfigError(f"{touched[0]}: hydra.sweeper.params is null without a sweep preset, so it has no key "
+                          f"to set; allowed: the values to sweep given as overrides (-m variant=full,linear), or a "
+                          f"preset first (sweep=NAME: {presets})") from None
 
 
 def judge_keys(name: str, job: list[str]) -> None:
@@ -192,7 +208,7 @@ def judge_keys(name: str, job: list[str]) -> None:
 
     try:
         cfg = compose(config_name=name, overrides=[f"++{o}" if plain(o) else o for o in job])
-    except HydraException:
+    except (HydraException, AssertionError, AttributeError):  # the last two: a key of a null hydra.sweeper.params
         return
     harness_checks(cfg, whole=False)
 

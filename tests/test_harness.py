@@ -754,6 +754,16 @@ LATE_REFUSALS = [
                                                                   "or null; got -5"),
     (["-m", "hydra/launcher=slurm", "hydra.launcher.nodes=0"], "hydra.launcher.nodes must be an integer >= 1, or null; "
                                                                "got 0"),
+    # a key of the sweeper's grid without a preset (null then): OmegaConf's AssertionError, a traceback
+    (["-m", "hydra.sweeper.params.variant=full"], "hydra.sweeper.params.variant=full: hydra.sweeper.params is null "
+     "without a sweep preset, so it has no key to set; allowed: the values to sweep given as overrides (-m "
+     "variant=full,linear), or a preset first (sweep=NAME: cpu_small, fa2_full, pattern_compare, seq_len_scaling, "
+     "sequence_parallel)"),
+    (["-m", "hydra.sweeper.params.variant=full,linear"], "Sweeping over Hydra's configuration is not supported : "
+                                                         "'hydra.sweeper.params.variant=full,linear'"),
+    # Hydra's own output folder where none can be made: its traceback after the run's directory was made
+    (["seq_len=32", "hydra.output_subdir=/proc/xx"], "hydra.output_subdir=/proc/xx: cannot write results to /proc/xx: "
+                                                    "/proc is not writable (No such file or directory)"),
 ]
 
 
