@@ -149,7 +149,14 @@ def hydra_args(argv: list[str]):
 
     parser = get_args_parser()
     parser.error = error
-    return parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not any(e.startswith("-") for e in extra):  # argparse's "unrecognized arguments: seq_len=32"
+        raise ConfigError(f"overrides after a flag that follows other overrides: {' '.join(extra)}; allowed: Hydra's "
+                          f"flags (-m, --cfg, ...) before every override, e.g. python -m harness -m seq_len=32 "
+                          f"variant=full,linear")
+    if extra:
+        error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def compose_job(name: str, overrides: list[str], jobs: list[list[str]], mode=None) -> DictConfig:
@@ -172,12 +179,16 @@ def compose_job(name: str, overrides: list[str], jobs: list[list[str]], mode=Non
     except HydraException as e:
         for job in jobs:
             judge_keys(name, job)
-        raise ConfigError(one_line(e)) from None  # e.g. an option of the variant not in its YAML: use +
+        # e.g. an option of the variant not in its YAML (use +); a value of Hydra's own typed settings
+        # ("Error merging override hydra.launcher.n_jobs=abc"), said with its cause's first line: why
+        cause = str(e.__cause__ or "").strip().split("\n")[0]
+        why = cause and str(e).startswith("Error merging override")
+        raise ConfigError(one_line(f"{e}: {cause}" if why else e)) from None
     except ValueError as e:  # a config group's choice that is no name (variant=5: Hydra's parser made it an int)
         loader = GlobalHydra.instance().config_loader()
         for job in jobs:
             for key, _, value in (o.partition("=") for o in job):
-                name_like = re.fullmatch(r"[A-Za-z_][\w.-]*", value) and value.lower() not in ("true", "false")
+                name_like = re.fullmatch(r"[A-Za-z_][\w.-]*", value) and value.lower() not in ("true", "false", "null")
                 if is_group(key) and not name_like:
                     one_of(key, value, tuple(loader.get_group_options(key)))
         raise ConfigError(one_line(e)) from None

@@ -253,6 +253,16 @@ HYDRA_REFUSALS = [
     (["-m", "variant=full", "--cfg", "job"], "--multirun and --cfg cannot be given together; allowed: one of --run, "
                                              "--multirun (-m), --cfg (-c), --info (-i), --shell-completion (-sc) "
                                              "(one job's config: --cfg job, no -m)"),
+    # a flag between overrides: argparse's "unrecognized arguments: variant=full,linear", overrides that are valid
+    (["seq_len=32", "-m", "variant=full,linear"], "overrides after a flag that follows other overrides: "
+     "variant=full,linear; allowed: Hydra's flags (-m, --cfg, ...) before every override, e.g. python -m harness -m "
+     "seq_len=32 variant=full,linear"),
+    # a value of Hydra's own typed settings: "Error merging override ..." and no why
+    (["-m", "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=abc"], "Error merging override "
+     "hydra.launcher.n_jobs=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["hydra.mode=RUNS"], "Error merging override hydra.mode=RUNS: Invalid value 'RUNS', expected one of [RUN, MULTIRUN]"),
+    # null for a group (as sweep: null reads in config.yaml): "Config group override must be a string or a list"
+    (["task=null"], "unknown task 'null'; allowed: mqar, mqar_gpu, none"),
 ]
 
 
