@@ -128,9 +128,10 @@ def test_fitted_exponent_recovers_known_slope(made):
         == pytest.approx(1.0, abs=1e-9)
 
 
-def test_exponents_fitted_from_a_length_on(tmp_path):
+def test_exponents_fitted_from_a_length_on(tmp_path, capsys):
     """--fit-from N: the exponents over N and longer only, as a GPU's launch-bound short lengths would
-    flatten a fit over every length; said in the series table's title and the plots' titles."""
+    flatten a fit over every length; said in the series table's title and the plots' titles. A length past
+    every series' last but one fits nothing: said in one line (every exponent was left empty, unsaid)."""
     ns = [256, 512, 1024, 2048, 4096, 8192]
     # 1 ms of launches, then ∝ N² from 2048 on (the fit over every length would be far below 2)
     sweep = write_sweep(tmp_path / "sweep", [[row("full", "sdpa", n, fwd=max(1.0, (n / 2048) ** 2), mem=64 * n)
@@ -143,6 +144,10 @@ def test_exponents_fitted_from_a_length_on(tmp_path):
     assert "over ok points at N ≥ 2048" in html
     series = html[html.index("<h2>Series"):].split("</table>")[0]
     assert "<td>2.00</td><td>2.00</td><td>1.00</td>" in series, series
+    assert "warning" not in capsys.readouterr().err
+    assert report.main([str(sweep), "--fit-from", "8192", "--out", str(tmp_path / "r2")]) == 0
+    assert capsys.readouterr().err == ("warning: --fit-from 8192: no series has two lengths at N >= 8192 (the longest "
+                                       "measured: 8192), so no exponent was fitted\n")
 
 
 def test_a_series_measured_by_two_code_versions_is_said(tmp_path):

@@ -647,6 +647,11 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, OSError) as err:  # OSError: e.g. --out is a file or not writable
         print(f"report: error: {err}", file=sys.stderr)
         return 2
+    fit_from = int(args.fit_from)
+    if fit_from and not any(len({r["seq_len"] for r in s if r["seq_len"] >= fit_from}) >= 2
+                            for s in group_series(rows).values()):  # every exponent column empty, unsaid
+        print(f"warning: --fit-from {fit_from}: no series has two lengths at N >= {fit_from} (the longest measured: "
+              f"{max(r['seq_len'] for r in rows)}), so no exponent was fitted", file=sys.stderr)
     for key in ("crossover", "max_fit", "seeds", "zeros"):
         if tables[key][2] or key not in ("seeds", "zeros"):  # seeds, zeros: only where some point has them
             _print_table(*tables[key])
