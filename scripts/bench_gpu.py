@@ -285,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pending", action="store_true", help="print the steps not complete in --out and exit")
     ap.add_argument("--child", choices=CHILDREN, help=argparse.SUPPRESS)  # run_step's process
     args = ap.parse_args(argv)
-    steps = [s for s in args.steps.split(",") if s]
-    chosen = [v for v in args.variants.split(",") if v]
+    # a step or label given twice is one (--pending printed it twice)
+    steps = list(dict.fromkeys(s for s in args.steps.split(",") if s))
+    chosen = list(dict.fromkeys(v for v in args.variants.split(",") if v))
     for flag, given, allowed in (("--variants", chosen, labels), ("--steps", steps, STEPS)):
         unknown = sorted(set(given) - set(allowed))
         if unknown or not given:  # none given ran nothing and wrote a summary of it, exit 0

@@ -187,7 +187,7 @@ def test_a_rerun_measures_nothing_again_and_a_spent_budget_resumes(smoke, tmp_pa
     # A budget spent before a sweep starts leaves it pending; the next call runs it. In this process (a
     # process each costs torch's import), but for the command line's exit code.
     out = tmp_path / "b"
-    args = ["--smoke", "--out", str(out), "--steps", "c"]
+    args = ["--smoke", "--out", str(out), "--steps", "c,c"]  # a step given twice is one
     bench_gpu, _, _ = load_bench()
     assert bench_gpu.main(args + ["--budget-s", "1"]) == 0
     capsys.readouterr()
