@@ -636,6 +636,8 @@ def test_compare_pools_repeated_runs_and_judges_a_time_against_their_spread(tmp_
     # A change clear of every run's interval is a regression, from three runs a side
     verdict, out = flag(runs("a", [10.0, 10.3, 9.9]), runs("b", [13.0, 13.2, 12.8]))
     assert verdict == "REGRESSION" and "13 " in out and "[1 points, 3 runs of each;" in out
+    assert compare([str(tmp_path / "a"), str(tmp_path / "b"), "--metric", "fwd_bwd_ms,fwd_bwd_ms"]) == 0
+    assert capsys.readouterr().out == out  # a metric given twice is one column
     assert "judged on one run" not in out
     # Medians 11.5 / 10.2 apart, but the runs of each side spread over the other's: within noise; each pair
     # of single runs claims a change, and says it rests on one run a side

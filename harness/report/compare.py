@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     one_line_errors(p, "compare")
     args = p.parse_args(argv)
-    metrics = [m.strip() for m in args.metric.split(",") if m.strip()]
+    metrics = list(dict.fromkeys(m.strip() for m in args.metric.split(",") if m.strip()))  # one column each
     try:
         examples = "e.g. fwd_ms, bwd_ms, fwd_bwd_ms, peak_mem_bytes, tflops_fwd, out_rel_err, task_accuracy"
         if not metrics:
