@@ -175,6 +175,9 @@ def compose_job(name: str, overrides: list[str], jobs: list[list[str]], mode=Non
         if e.options is not None and e.missing_cfg_file:  # a config group choice: variant=nope
             group, _, choice = e.missing_cfg_file.rpartition("/")
             one_of(group, choice, tuple(e.options))
+        if str(e).startswith("Cannot find primary config"):  # --config-name nope: which there are
+            names = [n for n in GlobalHydra.instance().config_loader().get_group_options("") if not n.startswith("_")]
+            one_of("--config-name", name, tuple(names))
         raise ConfigError(one_line(str(e).split("\n\n")[0])) from None  # not the search path it lists
     except HydraException as e:
         for job in jobs:

@@ -754,6 +754,7 @@ LATE_REFUSALS = [
     # a task option without a task ("allowed: " and nothing)
     (["seq_len=32", "task.steps=5"], "task=none takes no options; got task.steps (choose a task first: task=mqar)"),
     (["--config-path=/nonexistent"], "--config-path /nonexistent is not a directory"),
+    (["--config-name=nope"], "unknown --config-name 'nope'; allowed: config"),  # Hydra's line named none
     # a launcher's number that joblib or submitit refused with a traceback once the jobs were launched (n_jobs=0),
     # or that failed every job (timeout_min=-1), after the sweep directory was written
     (["-m", "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=0"],
