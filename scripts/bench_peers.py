@@ -251,7 +251,8 @@ def run_pair(pair: str, N: int, opts: MeasureOptions, rounds: int, max_other: fl
 
 
 def point(r: dict) -> tuple[int, int]:
-    """A row's or a failure's place: PAIRS' order (a pair no longer there last), then N."""
+    """A row's or a failure's place in the files (its sort key, not its identity): PAIRS' order (a pair no
+    longer there last), then N."""
     return list(PAIRS).index(r["pair"]) if r["pair"] in PAIRS else len(PAIRS), r["seq_len"]
 
 
@@ -339,10 +340,10 @@ def main() -> None:
             # Written after every point, so an interrupted run keeps what it measured, and the earlier rows
             # it has not measured again. A failure replaces no row (an earlier run's measurement is kept);
             # a point measured now has no failure left, and one failed now only its latest.
-            done = {point(r) for r in rows}
-            tried = done | {point(f) for f in failed}
-            kept = sorted([r for r in earlier if point(r) not in done] + rows, key=point)
-            failures = sorted([f for f in earlier_failed if point(f) not in tried] + failed, key=point)
+            done = {(r["pair"], r["seq_len"]) for r in rows}
+            tried = done | {(f["pair"], f["seq_len"]) for f in failed}
+            kept = sorted([r for r in earlier if (r["pair"], r["seq_len"]) not in done] + rows, key=point)
+            failures = sorted([f for f in earlier_failed if (f["pair"], f["seq_len"]) not in tried] + failed, key=point)
             write_json(args.out / "results.json", {"started": started, "finished": now(), "env": env,
                                                    "workload": {"B": B, "H": H, "D": D, "dtype": "float32"},
                                                    "min_run_time": args.min_run_time, "rows": kept, "failed": failures})
