@@ -173,6 +173,26 @@ def refusal(argv: list[str], where: Path) -> str:
         assert list(where.iterdir()) == [], argv
 
 
+# What tells each command's results directory apart (harness.config.results_of), with files another command
+# would write over: a run's (results.jsonl), bench_cpu's and bench_gpu's (their SUMMARY.md; bench_gpu's
+# env.json, an array of its invocations)
+RESULTS_DIRS = {
+    "run": {"results.jsonl": "{}\n", "env.json": '{"device_name": "AMD EPYC"}\n', "results.csv": "variant\n",
+            "fit.json": "{}\n"},
+    "cpu": {"SUMMARY.md": "# CPU benchmark: time and peak memory against sequence length\n", "results.csv": "variant\n"},
+    "gpu": {"SUMMARY.md": "# GPU benchmark\n", "env.json": '[{"device": "cuda"}]\n'},
+}
+
+
+def results_dirs(root: Path) -> dict[str, Path]:
+    """RESULTS_DIRS made under ``root``: kind -> its directory."""
+    for kind, files in RESULTS_DIRS.items():
+        (root / kind).mkdir()
+        for name, text in files.items():
+            (root / kind / name).write_text(text)
+    return {kind: root / kind for kind in RESULTS_DIRS}
+
+
 def qkv(B, H, N, D, dtype=torch.float64, seed=0, device="cpu"):
     """Fresh random inputs that require grad (never zeros: zeros hide wrong indexing)."""
     g = torch.Generator(device="cpu").manual_seed(seed)

@@ -16,7 +16,7 @@ import pytest
 
 from harness.env import code_version
 
-from .conftest import ROOT, load_script
+from .conftest import ROOT, load_script, results_dirs
 
 SCRIPT = ROOT / "scripts" / "bench_cpu.py"
 
@@ -155,12 +155,8 @@ def test_what_the_harness_refuses_is_its_one_line_and_exit_code(tmp_path):
 def test_an_out_holding_another_commands_results_is_one_line_and_left_as_it_was(tmp_path, monkeypatch, capsys):
     """A run's directory: bench_cpu wrote its combined results.csv and fit.json over the run's, exit 0;
     bench_gpu's: its SUMMARY.md over the GPU benchmark's. In this process (refused before anything runs)."""
-    run_dir, gpu = tmp_path / "run", tmp_path / "gpu"
-    for folder, files in ((run_dir, {"results.jsonl": "{}\n", "results.csv": "variant\n", "fit.json": "{}\n"}),
-                          (gpu, {"SUMMARY.md": "# GPU benchmark\n", "env.json": "[]\n"})):
-        folder.mkdir()
-        for name, text in files.items():
-            (folder / name).write_text(text)
+    dirs = results_dirs(tmp_path)
+    run_dir, gpu = dirs["run"], dirs["gpu"]
     bench = load_script("bench_cpu")
     for folder, sign, replaced in ((run_dir, "python -m harness (results.jsonl)", "results.csv, fit.json"),
                                    (gpu, "scripts/bench_gpu.py (SUMMARY.md)", "SUMMARY.md")):

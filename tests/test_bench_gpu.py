@@ -28,7 +28,7 @@ import variants
 from harness import job as harness_job
 from harness.results import FIELDS, fit_exponents, latest, load_rows, untrusted
 
-from .conftest import ROOT, load_script, patch_on_import
+from .conftest import ROOT, load_script, patch_on_import, results_dirs
 
 LABELS = ("full", "linear", "blockwise-local")  # few: each sweep is a process of its own
 SMOKE_N = (128, 256)
@@ -1127,13 +1127,8 @@ def test_an_out_holding_another_commands_results_is_one_line_and_left_as_it_was(
     --pending (any invocation) into a run's directory moved the run's env.json aside as a damaged one of
     bench_gpu's, exit 0."""
     bench, _, _ = load_bench()
-    cpu, run_dir = tmp_path / "cpu", tmp_path / "run"
-    for folder, files in ((cpu, {"SUMMARY.md": "# CPU benchmark: time and peak memory against sequence length\n",
-                                 "results.csv": "variant\n"}),
-                          (run_dir, {"results.jsonl": "{}\n", "env.json": '{"device_name": "AMD EPYC"}\n'})):
-        folder.mkdir()
-        for name, text in files.items():
-            (folder / name).write_text(text)
+    dirs = results_dirs(tmp_path)
+    cpu, run_dir = dirs["cpu"], dirs["run"]
     for folder, sign, replaced, args in ((cpu, "scripts/bench_cpu.py (SUMMARY.md)", "SUMMARY.md", ["--summary-only"]),
                                          (run_dir, "python -m harness (results.jsonl)", "env.json", ["--smoke", "--pending"])):
         kept = {p.name: p.read_bytes() for p in folder.iterdir()}

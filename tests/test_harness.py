@@ -25,7 +25,7 @@ from harness.run import run, validate
 import variants
 from variants import VariantError
 
-from .conftest import CONF, ROOT, VARIANT_YAMLS, refusal
+from .conftest import CONF, ROOT, VARIANT_YAMLS, refusal, results_dirs
 
 MiB = 2**20
 # Tiny sizes and short measurement: the whole file stays far below a minute on two cores.
@@ -796,13 +796,8 @@ def test_a_directory_of_another_commands_results_is_refused_and_left_as_it_was(t
     directory: a run moves its results.csv aside (test_reliability.py), and nothing of it is written over."""
     from harness.command_line import check
 
-    gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
-    for folder, files in ((gpu, {"SUMMARY.md": "# GPU benchmark\n", "env.json": '[{"device": "cuda"}]\n'}),
-                          (cpu, {"SUMMARY.md": "# CPU benchmark: time and peak memory against sequence length\n",
-                                 "results.csv": "variant\n"})):
-        folder.mkdir()
-        for name, text in files.items():
-            (folder / name).write_text(text)
+    dirs = results_dirs(tmp_path)
+    gpu, cpu = dirs["gpu"], dirs["cpu"]
     kept = {p.name: p.read_bytes() for p in gpu.iterdir()}
     want = (f"error: cannot write results to {gpu}: it holds the results of scripts/bench_gpu.py (SUMMARY.md), whose "
             f"env.json python -m harness would write over; allowed: a directory of python -m harness's own, or a new one")
