@@ -345,11 +345,26 @@ def gpu_tests(out: Path) -> dict[str, Any]:
         return {r["test"]: r for r in side_rows(path)}
 
     last = outcomes(out / "tests-gpu.jsonl")
-    return {"all_run": (out / "tests-gpu.rc").exists(), "counts": dict(Counter(r["outcome"] for r in last.values())),
+    return {"all_run": (out / "tests-gpu.rc").exists(), "code": tests_code(out / "tests-gpu.jsonl"),
+            "counts": dict(Counter(r["outcome"] for r in last.values())),
             "failed": [r for r in last.values() if r["outcome"] in ("failed", "error")],
             "skipped": dict(Counter(r["message"] for r in last.values() if r["outcome"] == "skipped")),
             "earlier": {p.name: dict(Counter(r["outcome"] for r in outcomes(p).values()))
                         for p in sorted(out.glob("tests-gpu.*.jsonl"))}}
+
+
+def tests_code(path: Path) -> list[str]:
+    """The code versions the outcomes of ``path`` (tests-gpu.jsonl) tested, "not recorded" for an outcome
+    from before each said (tests/conftest.py's Outcomes)."""
+    return sorted({str(r.get("code_version") or "not recorded") for r in side_rows(path)})
+
+
+def tests_of_other_code(out: Path, code: str | None) -> str | None:
+    """Why the GPU tests' outcomes in ``out`` do not verify the code ``code`` (harness.env.code_version of
+    the code about to measure): some tested other code, or did not say which (gpu_job.sh then runs every
+    test again, the earlier outcomes kept beside). None: every outcome is of ``code``, or there is none."""
+    other = [c for c in tests_code(out / "tests-gpu.jsonl") if c != str(code or "not recorded")]
+    return f"outcomes of code {', '.join(other)} in tests-gpu.jsonl, and this is code {code}" if other else None
 
 
 def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> str:
@@ -367,7 +382,8 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
              "Steps: " + ", ".join(f"{k}: {v}" for k, v in sorted(ctx.state.items())) + ".", ""]
     tests = res["tests"]
     lines += ["## GPU tests (`pytest -m gpu`: every GPU backend against the float64 reference)", "",
-              (", ".join(f"{n} {k}" for k, n in sorted(tests["counts"].items())) or "none run") + "; " +
+              (", ".join(f"{n} {k}" for k, n in sorted(tests["counts"].items())) or "none run")
+              + (f" at code {', '.join(tests['code'])}" if tests["code"] else "") + "; " +
               ("every test has run." if tests["all_run"] else "not every test has run yet (the next call goes on)."), ""]
     if tests["failed"]:
         lines += table(["failed test", "outcome", "message"], [[r["test"], r["outcome"], r["message"]] for r in tests["failed"]])
@@ -375,7 +391,8 @@ def summary_md(ctx: Context, res: dict[str, Any], reports: dict[str, Path]) -> s
     if tests["skipped"]:
         lines += table(["skipped, because", "tests"], [[m, n] for m, n in tests["skipped"].items()]) + [""]
     lines += [f"An earlier run of every test, kept beside: `{name}`, "
-              + (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no outcome") + "." for name, counts in
+              + (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no outcome")
+              + f" at code {', '.join(tests_code(ctx.out / name)) or '-'}." for name, counts in
               tests["earlier"].items()] + ([""] if tests["earlier"] else [])
     lines += ["## Targets", ""]
     lines += table(["target", "status", "measured", "gap"],

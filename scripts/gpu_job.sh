@@ -9,7 +9,8 @@
 # 2. Prints nvidia-smi and the versions of torch, CUDA, triton, xformers, hydra and wandb.
 # 3. Runs the GPU tests (`pytest -m gpu`: every GPU backend against the float64 reference; -n 8 --dist load where
 #    pytest-xdist is installed) within what the call has left but 200 s (at most 300 s). Each outcome goes
-#    to <results>/tests-gpu.jsonl as it is known; the next call runs only the tests it lacks.
+#    to <results>/tests-gpu.jsonl as it is known, with the code it tested; the next call runs only the
+#    tests it lacks, or every one again where they tested other code (the earlier outcomes kept beside).
 # 4. Runs scripts/bench_gpu.py --out <results> within what is left of JOB_BUDGET_S (default 480 s): the
 #    targets' measurements first; the sweeps stop at the budget and resume on the next call; measured
 #    points are never measured again.
@@ -211,9 +212,29 @@ trap stopped TERM INT
 # 3. the GPU tests, resumed over calls until every one has an outcome. Each outcome is appended to
 # tests-gpu.jsonl as it is known (tests/conftest.py's --outcomes), and a later call leaves out the tests
 # that file has: a call whose time runs out during the tests loses none of what they ran.
+# The outcomes verify the code they tested: where some are another code's (each names its own), every
+# test runs again, as with RERUN_TESTS=1.
 OUTCOMES="$BENCH_DIR/tests-gpu.jsonl"
-if [ "${RERUN_TESTS:-0}" = 1 ] && [ -f "$BENCH_DIR/tests-gpu.rc" ]; then
+STALE=
+if [ "${SKIP_TESTS:-0}" != 1 ] && [ -f "$OUTCOMES" ]; then
+    STALE=$("$PY" - "$BENCH_DIR" <<'PYEOF'
+import sys
+from pathlib import Path
+sys.path[:0] = ["scripts", "."]
+try:
+    from bench_gpu_summary import tests_of_other_code
+    from harness.env import code_version
+except Exception as e:  # the wheels missing: said, and the outcomes are taken as they are
+    sys.stderr.write(f"gpu_job.sh: the GPU tests' code not checked: {type(e).__name__}: {e}\n")
+else:
+    print(tests_of_other_code(Path(sys.argv[1]), code_version()) or "")
+PYEOF
+)
+    STALE=${STALE##*$'\n'}  # its last line: an import may print on stdout too
+fi
+if { [ "${RERUN_TESTS:-0}" = 1 ] && [ -f "$BENCH_DIR/tests-gpu.rc" ]; } || [ -n "$STALE" ]; then
     # Every test again: the earlier outcomes are kept beside, not overwritten
+    [ -n "$STALE" ] && echo "== GPU tests: $STALE: every test runs again"
     mv "$OUTCOMES" "$BENCH_DIR/tests-gpu.$(date -u +%Y%m%dT%H%M%SZ).jsonl" 2>/dev/null
     rm -f "$BENCH_DIR/tests-gpu.rc"
 fi

@@ -42,10 +42,14 @@ def pytest_configure(config):
 
 class Outcomes:
     """``--outcomes FILE``: one JSON line per test as its outcome is known, so that a run killed at a time
-    limit keeps what it ran; and ``reported(FILE)``, the tests a later run leaves out."""
+    limit keeps what it ran; and ``reported(FILE)``, the tests a later run leaves out. Each line names the
+    code it tested (harness.env.code_version, as the rows of a measurement do): gpu_job.sh runs every test
+    again where the outcomes are another code's."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        from harness.env import code_version
+
+        self.path, self.code = path, code_version()
         if path.exists() and not path.read_bytes().endswith(b"\n") and path.stat().st_size:
             with path.open("a") as f:  # a line cut by a kill stays on a line of its own, never joined to ours
                 f.write("\n")
@@ -59,7 +63,7 @@ class Outcomes:
                 message = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
             line = {"test": report.nodeid, "outcome": outcome, "seconds": round(report.duration, 3),
                     "message": next(iter((message or "").strip().splitlines()), "")[:300] or None,
-                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "code_version": self.code}
             with self.path.open("a") as f:
                 f.write(json.dumps(line) + "\n")
 

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,7 +176,35 @@ def test_the_gpu_tests_outcomes_are_kept_and_summarised(smoke):
     assert len(outcomes) == len({r["test"] for r in outcomes}) == n > 100
     assert {r["outcome"] for r in outcomes} == {"skipped"} and all(r["test"].startswith("tests/") for r in outcomes)
     assert (bench / "tests-gpu.rc").read_text().strip() == "0"
-    assert f"{n} skipped; every test has run." in (bench / "SUMMARY.md").read_text()
+    assert f"{n} skipped at code {outcomes[0]['code_version']}; every test has run." in (bench / "SUMMARY.md").read_text()
+
+
+def test_gpu_tests_of_other_code_run_again_and_their_outcomes_are_kept_beside(smoke, tmp_path):
+    """The GPU tests verify the code that measures: a directory whose outcomes tested other code (each
+    outcome names its code) had every test counted as run, so tests added or changed since never ran on
+    the GPU. The next call runs every test again, the earlier outcomes kept beside and in SUMMARY.md; the
+    same code's outcomes are not run again (test_a_rerun_measures_nothing_again...)."""
+    tmp, _ = smoke
+    shutil.copytree(tmp / "bench", tmp_path / "bench")
+    outcomes = tmp_path / "bench" / "tests-gpu.jsonl"
+    lines = [json.loads(x) for x in outcomes.read_text().splitlines()]
+    here = lines[0]["code_version"]
+    assert here and {r["code_version"] for r in lines} == {here}
+    lines[0]["code_version"] = "0123456789ab"
+    earlier = "".join(json.dumps(r) + "\n" for r in lines)
+    outcomes.write_text(earlier)
+    proc = job(tmp_path, ("SKIP_TESTS", "0"))
+    assert (f"== GPU tests: outcomes of code 0123456789ab in tests-gpu.jsonl, and this is code {here}: every test "
+            "runs again") in proc.stdout and "pytest -q -m gpu" in proc.stdout, proc.stdout[-3000:]
+    kept, = (tmp_path / "bench").glob("tests-gpu.*.jsonl")
+    assert kept.read_text() == earlier
+    again = [json.loads(x) for x in outcomes.read_text().splitlines()]
+    assert sorted(r["test"] for r in again) == sorted(r["test"] for r in lines)
+    assert {r["code_version"] for r in again} == {here} and (tmp_path / "bench" / "tests-gpu.rc").exists()
+    summary = (tmp_path / "bench" / "SUMMARY.md").read_text()
+    assert f"{len(lines)} skipped at code {here}; every test has run." in summary
+    assert (f"kept beside: `{kept.name}`, {len(lines)} skipped at code "
+            f"{', '.join(sorted(['0123456789ab', here]))}.") in summary
 
 
 def test_a_rerun_measures_nothing_again_and_a_spent_budget_resumes(smoke, tmp_path, capsys):
@@ -619,8 +648,6 @@ def test_a_step_whose_rows_or_files_are_lost_is_done_again_and_a_damaged_job_fil
     of its points (its backends × D × causal × N), roof.json, d/overhead.json. A job file that does not read
     (cut, emptied, edited by hand) is moved aside, said in one line, and read as absent: not a traceback
     on every rerun. The next call measures what was lost, and only that."""
-    import shutil
-
     bench, kernels, summary = load_bench()
     out = tmp_path / "bench"
     shutil.copytree(smoke[0] / "bench", out)
@@ -677,8 +704,6 @@ def test_a_target_is_judged_on_complete_measurements_only_and_memory_is_counted_
     """A backend with a noisy (or failed, or missing) length in the fit's range is not fitted, so the
     target cannot pass on what is left of the range; a comparison with a kernel part d has yet to time is
     not judged; full math's measured peak is its own count."""
-    import shutil
-
     tmp, _ = smoke
     bench = tmp_path / "bench"
     shutil.copytree(tmp / "bench", bench)
@@ -731,8 +756,6 @@ def test_a_comparison_leaves_out_our_row_whose_forward_backward_is_noisy(smoke, 
     """Part d's ratio is judged on our best row that the noise rule trusts, as fits and compare are: a
     noisy forward+backward is named in the detail and not judged (with no other row of ours, the target
     is not measured); a noisy forward alone does not matter."""
-    import shutil
-
     tmp, _ = smoke
     bench = tmp_path / "bench"
     shutil.copytree(tmp / "bench", bench)
@@ -989,7 +1012,6 @@ def test_gpu_job_resumes_the_latest_open_directory_and_starts_a_new_one_after_a_
     date and time where that date's directory exists (it was written into that one again, its COMPLETE
     file included). A copy of the script in a bare tree, with a stand-in python that names the device."""
     import datetime
-    import shutil
 
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "gpu_job.sh", tmp_path / "scripts")
