@@ -52,7 +52,6 @@ STATUSES = ("ok", "oom", "skipped", "error", "nonfinite")
 # (joblib's, submitit's, SLURM's), kept in each job's status.json
 MULTIRUN_ENV = "HARNESS_MULTIRUN"
 SLOW = "measure.max_call_s"  # in the reason of a point skipped because its call was predicted too slow
-JOB_STATES = ("running", "completed", "failed", "refused", "interrupted")
 OPT_PREFIX = "opt_"
 TASK_OPT_PREFIX = "task_opt_"
 
