@@ -329,13 +329,15 @@ def test_span_penalty_is_the_papers_term_and_zero_for_other_variants():
     assert float(span_penalty(wrapped, cfg).detach()) == pytest.approx(1e-3 * 2 * 64)  # z starts at max_span
 
 
-def test_span_penalty_is_in_the_training_loss():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_span_penalty_is_in_the_training_loss(device):
     """Spans of 64 at N = 48 cover every key: the task loss gives them no gradient, so they move only
     if the penalty is in the loss (down, by about lr·max_span per step), and stay put without it."""
     def final_spans(penalty):
         logs = []
         cfg = MQARConfig(**TINY, steps=6, eval_every=3, lr=0.03, warmup_steps=0, span_penalty=penalty)
-        out = train_mqar("adaptive_span", {"max_span": 64, "num_heads": 2}, cfg, log=lambda s, m: logs.append(m))
+        out = train_mqar("adaptive_span", {"max_span": 64, "num_heads": 2}, cfg, log=lambda s, m: logs.append(m),
+                         device=device)
         assert [h["step"] for h in out["history"]] == [3, 6]
         spans = {k: v for k, v in logs[-1].items() if k.startswith("span_l")}
         assert sorted(spans) == ["span_l0_h0", "span_l0_h1", "span_l1_h0", "span_l1_h1"]

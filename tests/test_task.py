@@ -181,9 +181,10 @@ TINY = MQARConfig(seq_len=32, vocab_size=16, num_kv_pairs=4, num_queries=4, d_mo
                   batch_size=16, steps=40, lr=3e-3, warmup_steps=5, eval_every=10, eval_size=64, seed=0)
 
 
-def test_a_short_training_run_lowers_the_loss():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_short_training_run_lowers_the_loss(device):
     logged = []
-    r = train_mqar("full", {}, TINY, log=lambda step, m: logged.append((step, m)))
+    r = train_mqar("full", {}, TINY, log=lambda step, m: logged.append((step, m)), device=device)
     assert [s for s, _ in logged] == [10, 20, 30, 40]
     assert all(set(m) == {"train_loss", "eval_accuracy", "eval_loss"} for _, m in logged)
     first, last = r["history"][0], r["history"][-1]
