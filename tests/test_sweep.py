@@ -479,17 +479,17 @@ def test_wandb_dashboard_without_credentials_is_one_line(tmp_path):
 
 
 def test_wandb_dashboard_report_outline(tmp_path):
-    """Offline (--dry-run): with wandb-workspaces, the report's grids, filter and panels; without it,
-    one line saying how to install it."""
+    """Offline (--dry-run): with wandb-workspaces (a test extra), the report's grids, filter and panels;
+    without it (an import that fails, as where it is not installed), one line saying how to install it."""
     group = "/runs/multirun/cpu_small/2026-11-22T07-00-00Z"
+    (tmp_path / "missing" / "wandb_workspaces").mkdir(parents=True)
+    (tmp_path / "missing" / "wandb_workspaces" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'wandb_workspaces'\", name='wandb_workspaces')\n")
+    p = subprocess.run([sys.executable, str(DASHBOARD), group, "--dry-run"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, env=env(HOME=str(tmp_path), PYTHONPATH=str(tmp_path / "missing")))
+    out = lines(p)
+    assert p.returncode == 1 and len(out) == 1 and "pip install 'wandb-workspaces" in out[0], out
     p = dashboard(group, "--dry-run", "--entity", "me", home=tmp_path)
-    try:
-        import wandb_workspaces  # noqa: F401
-    except ImportError:
-        assert p.returncode == 1
-        out = lines(p)
-        assert len(out) == 1 and "pip install" in out[0] and "wandb-workspaces" in out[0], out
-        return
     assert p.returncode == 0, p.stdout + p.stderr
     report = json.loads(p.stdout)
     assert (report["entity"], report["project"]) == ("me", "attention-harness")
