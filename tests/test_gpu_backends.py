@@ -507,6 +507,24 @@ def assert_fa_rule(checks, dtype, naive="naive") -> None:
             f"{what}: max error {err:.3e} > {ERROR_FACTOR} x {naive} {err_naive:.3e} + floor {floor:.3e}")
 
 
+def assert_half_within_fa_rule(attn, masked, q, k, v, out, causal, label: str = "") -> None:
+    """``out = attn(q, k, v, causal=causal)`` in half precision, and its dq, dk, dv, within flash-attention's
+    rule against ``attn.reference`` in float64; the naive path is dense attention in the same dtype over
+    the mask and scale of ``masked`` (the variant itself, or the one a wrapper runs)."""
+    dtype, N, D = q.dtype, q.shape[-2], q.shape[-1]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attn.reference(q64, k64, v64, causal=causal)
+    qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    naive = dense_attention(qn, kn, vn, masked.mask(N, causal).to(q.device), masked.scale(D))
+    assert out.shape == ref.shape and out.dtype == dtype and out.device == q.device, label
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(q.device)
+    got = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    want = torch.autograd.grad(ref, (q64, k64, v64), dout)
+    naive_g = torch.autograd.grad(naive, (qn, kn, vn), dout.to(dtype))
+    assert_fa_rule([(f"{label}out", out, ref, naive)]
+                   + [(f"{label}{w}", g, r, b) for w, g, r, b in zip(("dq", "dk", "dv"), got, want, naive_g)], dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -523,17 +541,7 @@ def test_gpu_backend_matches_reference(name, options, backend, N, dtype, causal)
         if "has no kernel" in str(err):
             pytest.skip(str(err))  # a capability fact (e.g. cudnn on this shape), not a wrong result
         raise
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = attn.reference(q64, k64, v64, causal=causal)
-    qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    naive = dense_attention(qn, kn, vn, attn.mask(N, causal).to("cuda"), attn.scale(D))
-    assert out.shape == ref.shape and out.dtype == dtype
-
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to("cuda")
-    got = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
-    want = torch.autograd.grad(ref, (q64, k64, v64), dout)
-    naive_g = torch.autograd.grad(naive, (qn, kn, vn), dout.to(dtype))
-    assert_fa_rule([("out", out, ref, naive)] + list(zip(("dq", "dk", "dv"), got, want, naive_g)), dtype)
+    assert_half_within_fa_rule(attn, attn, q, k, v, out, causal)
     if name == "full":  # what ran: auto's choice, unpinned SDPA's kernel (by torch's rule), else the one pinned
         ran = {"auto": (*variants.full.AUTO_CANDIDATES, variants.full.AUTO_FALLBACK), "sdpa": (*variants.full.SDPA_KERNELS, "sdpa")}
         assert attn.last_backend in ran.get(backend, (backend,))
