@@ -46,6 +46,14 @@ def check(argv: list[str]) -> None:
     if args.experimental_rerun is not None and not Path(args.experimental_rerun).is_file():
         raise ConfigError(f"--experimental-rerun {args.experimental_rerun} is not a file (a job's "
                           f".hydra/config.pickle)")
+    if args.cfg is not None:  # else Hydra's lines ("Ambiguous value ...", a parse error's)
+        try:
+            swept = sweeping(list(args.overrides))
+        except HydraException as e:
+            raise ConfigError(one_line(str(e))) from None
+        if swept:
+            raise ConfigError(f"--cfg prints one job's config, and {' '.join(swept)} sweeps over several; allowed: "
+                              f"one value per key with --cfg (e.g. variant=full)")
     if args.help or args.hydra_help or commands not in ([], ["--run"], ["--multirun"]) or args.config_path \
             or args.experimental_rerun:
         return  # Hydra's own output (help, --cfg, --info), or a config Hydra finds elsewhere
@@ -98,7 +106,7 @@ def check(argv: list[str]) -> None:
                 return
             # One job's config is the base unless a value sweeps (a sweep without -m: Hydra's "ambiguous
             # value" in RUN mode); composing again would cost a quarter of a second for the same config.
-            cfg = compose_job(name, overrides, [overrides]) if sweeps(overrides) else base
+            cfg = compose_job(name, overrides, [overrides]) if sweeping(overrides) else base
         # An override that does not parse, a sweep Hydra's sweeper cannot expand; an interpolation of Hydra's
         # own settings that does not resolve (hydra.run.dir=${oc.env:UNSET}), read here before Hydra does
         except (HydraException, OmegaConfBaseException) as e:
@@ -297,13 +305,11 @@ def no_job(params, overrides: list[str]) -> str:
     return f"the sweep has no job: {', '.join(empty)} {'selects' if len(empty) == 1 else 'select'} no value; {allowed}"
 
 
-def sweeps(overrides: list[str]) -> bool:
-    """Whether an override sweeps (a,b or a sweep function: one value per job)."""
-    from hydra.core.global_hydra import GlobalHydra
+def sweeping(overrides: list[str]) -> list[str]:
+    """The overrides that sweep (a,b or a sweep function: one value per job)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-    return any(o.is_sweep_override() for o in parser.parse_overrides(overrides))
+    return [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()]
 
 
 def job_config(cfg: DictConfig, composed_from: list[str], job: list[str]) -> DictConfig | None:

@@ -15,6 +15,10 @@
 #   scripts/sweep.sh cpu_small variant=full,linear 'seq_lens=[256,512]'
 #   scripts/sweep.sh seq_len_scaling hydra/launcher=slurm hydra.launcher.partition=gpu
 #   scripts/sweep.sh cpu_small hydra.sweep.dir=multirun/cpu_small/2026-11-22T07-20-00Z   # resume
+#   scripts/sweep.sh cpu_small variant=full --cfg job   # the config a job starts from: nothing runs
+#
+# Hydra's flags may come anywhere: the script puts them before the overrides, as Hydra wants. One that
+# prints (--cfg, --info, --hydra-help, ...) runs no sweep and makes no directory.
 #
 # Launchers: basic (default; jobs one after another: timings must not share the machine),
 # hydra/launcher=local_parallel (joblib; quality-only sweeps), hydra/launcher=slurm,
@@ -51,11 +55,36 @@ fi
 
 # The sweep dir: the user's hydra.sweep.dir=... (made absolute against the current directory, as
 # Hydra would; its last two parts are the jobs' wandb group), else a fresh one under the repo.
+# Hydra's flags (--cfg job, -cn NAME, --info ...) go before every override (Hydra reads no override
+# after a flag that follows one), with their values: where the user put them does not matter.
 SWEEP_DIR=""
+USER_SWEEP_DIR=()
+PRINTS=""  # a flag that prints (--cfg, --info, ...): the harness runs once to print it, no sweep
 args=()
-for a in "$@"; do
+flags=()
+while [ $# -gt 0 ]; do
+    a="$1"
+    shift
     case "$a" in
+        -c | --cfg | -p | --package | -cp | --config-path | -cn | --config-name | -cd | --config-dir | --experimental-rerun)
+            flags+=("$a")
+            [ $# -gt 0 ] && { flags+=("$1"); shift; }
+            case "$a" in -c | --cfg) PRINTS=1 ;; esac
+            ;;
+        -i | --info)
+            PRINTS=1
+            case "${1:-}" in
+                all | config | defaults | defaults-tree | plugins | searchpath) flags+=("$a" "$1"); shift ;;
+                *) flags+=("$a" all) ;;  # Hydra's default, given: else its parser takes the next override for the value
+            esac
+            ;;
+        -c=* | --cfg=* | -i=* | --info=* | -sc | --shell-completion | -h | --help | --hydra-help | --version)
+            PRINTS=1
+            flags+=("$a")
+            ;;
+        -*) flags+=("$a") ;;
         hydra.sweep.dir=* | +hydra.sweep.dir=* | ++hydra.sweep.dir=*)
+            USER_SWEEP_DIR=("$a")
             SWEEP_DIR="${a#*hydra.sweep.dir=}"
             [ -n "$SWEEP_DIR" ] || { echo "sweep.sh: empty hydra.sweep.dir=" >&2; exit 2; }
             case "$SWEEP_DIR" in
@@ -70,6 +99,10 @@ if [ -z "$SWEEP_DIR" ]; then
     SWEEP_DIR="$ROOT/multirun/$PRESET/$(date -u +%Y-%m-%dT%H-%M-%SZ)"
 fi
 SWEEP_DIR="${SWEEP_DIR%/}"
+if [ -n "$PRINTS" ]; then  # what the sweep's jobs would be given: no job runs, no directory is made
+    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" -m harness ${flags[@]+"${flags[@]}"} "sweep=$PRESET" \
+        ${args[@]+"${args[@]}"} ${USER_SWEEP_DIR[@]+"${USER_SWEEP_DIR[@]}"}
+fi
 # Hydra parses the value: a path with spaces or other special characters goes in quotes.
 SWEEP_ARG="$SWEEP_DIR"
 if [[ "$SWEEP_ARG" != *'${'* && "$SWEEP_ARG" =~ [^A-Za-z0-9_./@%+:-] ]]; then
@@ -86,7 +119,8 @@ rc=0
 # the harness records its jobs interrupted and ends before this script does, not left running on its
 # own; a Ctrl-C at a terminal reaches both (one process group), and the harness is waited for.
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
-    "$PYTHON" -m harness --multirun "sweep=$PRESET" ${args[@]+"${args[@]}"} "hydra.sweep.dir=$SWEEP_ARG" &
+    "$PYTHON" -m harness --multirun ${flags[@]+"${flags[@]}"} "sweep=$PRESET" ${args[@]+"${args[@]}"} \
+    "hydra.sweep.dir=$SWEEP_ARG" &
 harness=$!
 trap 'kill -TERM "$harness" 2>/dev/null || true' TERM
 trap ':' INT

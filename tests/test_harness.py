@@ -253,6 +253,11 @@ HYDRA_REFUSALS = [
     (["-m", "variant=full", "--cfg", "job"], "--multirun and --cfg cannot be given together; allowed: one of --run, "
                                              "--multirun (-m), --cfg (-c), --info (-i), --shell-completion (-sc) "
                                              "(one job's config: --cfg job, no -m)"),
+    # --cfg with a sweep: Hydra's "Ambiguous value for argument ..." in five lines, exit 1; its parse error too
+    (["--cfg", "job", "variant=full,linear"], "--cfg prints one job's config, and variant=full,linear sweeps over "
+                                              "several; allowed: one value per key with --cfg (e.g. variant=full)"),
+    (["--cfg", "job", "seq_lens=["], "no viable alternative at input '[' See "
+                                      "https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details"),
     # a flag between overrides: argparse's "unrecognized arguments: variant=full,linear", overrides that are valid
     (["seq_len=32", "-m", "variant=full,linear"], "overrides after a flag that follows other overrides: "
      "variant=full,linear; allowed: Hydra's flags (-m, --cfg, ...) before every override, e.g. python -m harness -m "

@@ -167,6 +167,22 @@ def test_unknown_preset_is_one_line_and_no_sweep_dir(tmp_path, preset):
     assert after == before
 
 
+def test_flags_after_overrides_reach_hydra_and_a_printing_flag_runs_no_sweep(tmp_path):
+    """`sweep.sh PRESET variant=full --cfg job` put the flag after the script's own sweep=PRESET, and the
+    harness refused it (Hydra reads no override after a flag that follows one); --cfg with the script's
+    --multirun could not work either. The script puts flags first; one that prints runs no job."""
+    sweep_dir = tmp_path / "sweep"
+    p = sweep("cpu_small", "variant=full", "--cfg", "job", "seq_lens=[64]", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "_target_: variants.Full" in p.stdout and "- 64" in p.stdout, p.stdout  # the overrides either side
+    p = sweep("cpu_small", "--info", "variant=full", cwd=tmp_path)  # --info's optional value is not the override
+    assert p.returncode == 0 and "Defaults List" in p.stdout, p.stdout + p.stderr
+    p = sweep("cpu_small", "variant=full,linear", "-c", "job", cwd=tmp_path)  # Hydra's 5 lines, exit 1
+    assert (p.returncode, lines(p)) == (2, ["error: --cfg prints one job's config, and variant=full,linear sweeps "
+                                            "over several; allowed: one value per key with --cfg (e.g. variant=full)"])
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("script, args, first", [
     ("sweep.sh", [], f"sweep.sh: missing PRESET (conf/sweep/PRESET.yaml); allowed: {', '.join(PRESETS)}"),
     ("slurm_cluster.sh", [], "slurm_cluster: missing command; allowed: start, stop, env, status"),
