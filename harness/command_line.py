@@ -54,9 +54,9 @@ def check(argv: list[str]) -> None:
         if swept:
             raise ConfigError(f"--cfg prints one job's config, and {' '.join(swept)} sweeps over several; allowed: "
                               f"one value per key with --cfg (e.g. variant=full)")
-    if args.help or args.hydra_help or commands not in ([], ["--run"], ["--multirun"]) or args.config_path \
-            or args.experimental_rerun:
-        return  # Hydra's own output (help, --cfg, --info), or a config Hydra finds elsewhere
+    if args.help or args.hydra_help or commands not in ([], ["--run"], ["--multirun"], ["--cfg"]) \
+            or args.config_path or args.experimental_rerun:
+        return  # Hydra's own output (help, --info), or a config Hydra finds elsewhere
     overrides = list(args.overrides)
     if args.config_dir is not None:  # Hydra adds it to the config search path, after conf/
         config_dir = Path(args.config_dir).absolute()
@@ -69,6 +69,8 @@ def check(argv: list[str]) -> None:
         try:
             # The config without its sweeps, as Hydra composes it to find the mode (a sweep preset sets it).
             base = compose_job(name, overrides, sweep_jobs({}, overrides), RunMode.MULTIRUN)
+            if args.cfg is not None:
+                return  # Hydra prints the config, which composes (else its refusal was one line here)
             multirun = args.multirun or OmegaConf.select(base, "hydra.mode") == RunMode.MULTIRUN
             # Hydra creates the output directory before any of our code runs, with a traceback if it cannot;
             # an empty one (hydra.run.dir=$OUT, OUT unset) would be the current directory.

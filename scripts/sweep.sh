@@ -67,8 +67,9 @@ while [ $# -gt 0 ]; do
     shift
     case "$a" in
         -c | --cfg | -p | --package | -cp | --config-path | -cn | --config-name | -cd | --config-dir | --experimental-rerun)
-            flags+=("$a")
-            [ $# -gt 0 ] && { flags+=("$1"); shift; }
+            [ $# -gt 0 ] || { echo "sweep.sh: $a needs a value; see python -m harness --hydra-help" >&2; exit 2; }
+            flags+=("$a" "$1")
+            shift
             case "$a" in -c | --cfg) PRINTS=1 ;; esac
             ;;
         -i | --info)

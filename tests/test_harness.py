@@ -256,6 +256,7 @@ HYDRA_REFUSALS = [
     # --cfg with a sweep: Hydra's "Ambiguous value for argument ..." in five lines, exit 1; its parse error too
     (["--cfg", "job", "variant=full,linear"], "--cfg prints one job's config, and variant=full,linear sweeps over "
                                               "several; allowed: one value per key with --cfg (e.g. variant=full)"),
+    (["--cfg", "job", "variant=nope"], f"unknown variant 'nope'; allowed: {', '.join(variant_names())}"),  # composed
     (["--cfg", "job", "seq_lens=["], "no viable alternative at input '[' See "
                                       "https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details"),
     # a flag between overrides: argparse's "unrecognized arguments: variant=full,linear", overrides that are valid

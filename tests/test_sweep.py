@@ -180,6 +180,8 @@ def test_flags_after_overrides_reach_hydra_and_a_printing_flag_runs_no_sweep(tmp
     p = sweep("cpu_small", "variant=full,linear", "-c", "job", cwd=tmp_path)  # Hydra's 5 lines, exit 1
     assert (p.returncode, lines(p)) == (2, ["error: --cfg prints one job's config, and variant=full,linear sweeps "
                                             "over several; allowed: one value per key with --cfg (e.g. variant=full)"])
+    p = sweep("cpu_small", "variant=full", "--cfg", cwd=tmp_path)  # else Hydra's: "invalid choice: 'sweep=cpu_small'"
+    assert (p.returncode, lines(p)) == (2, ["sweep.sh: --cfg needs a value; see python -m harness --hydra-help"])
     assert list(tmp_path.iterdir()) == []
 
 
