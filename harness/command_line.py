@@ -46,17 +46,18 @@ def check(argv: list[str]) -> None:
     if args.experimental_rerun is not None and not Path(args.experimental_rerun).is_file():
         raise ConfigError(f"--experimental-rerun {args.experimental_rerun} is not a file (a job's "
                           f".hydra/config.pickle)")
-    if args.cfg is not None:  # else Hydra's lines ("Ambiguous value ...", a parse error's)
+    prints = next((f for f, given in (("--cfg", args.cfg), ("--info", args.info)) if given is not None), None)
+    if prints:  # one job's config, composed: else Hydra's lines ("Ambiguous value ...", a parse error's)
         try:
             swept = sweeping(list(args.overrides))
         except HydraException as e:
             raise ConfigError(one_line(str(e))) from None
         if swept:
-            raise ConfigError(f"--cfg prints one job's config, and {' '.join(swept)} sweeps over several; allowed: "
-                              f"one value per key with --cfg (e.g. variant=full)")
-    if args.help or args.hydra_help or commands not in ([], ["--run"], ["--multirun"], ["--cfg"]) \
+            raise ConfigError(f"{prints} prints one job's config, and {' '.join(swept)} sweeps over several; "
+                              f"allowed: one value per key with {prints} (e.g. variant=full)")
+    if args.help or args.hydra_help or commands not in ([], ["--run"], ["--multirun"], ["--cfg"], ["--info"]) \
             or args.config_path or args.experimental_rerun:
-        return  # Hydra's own output (help, --info), or a config Hydra finds elsewhere
+        return  # Hydra's own output (help, --shell-completion), or a config Hydra finds elsewhere
     overrides = list(args.overrides)
     if args.config_dir is not None:  # Hydra adds it to the config search path, after conf/
         config_dir = Path(args.config_dir).absolute()
@@ -69,7 +70,7 @@ def check(argv: list[str]) -> None:
         try:
             # The config without its sweeps, as Hydra composes it to find the mode (a sweep preset sets it).
             base = compose_job(name, overrides, sweep_jobs({}, overrides), RunMode.MULTIRUN)
-            if args.cfg is not None:
+            if prints:
                 return  # Hydra prints the config, which composes (else its refusal was one line here)
             multirun = args.multirun or OmegaConf.select(base, "hydra.mode") == RunMode.MULTIRUN
             # Hydra creates the output directory before any of our code runs, with a traceback if it cannot;

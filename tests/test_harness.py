@@ -253,10 +253,14 @@ HYDRA_REFUSALS = [
     (["-m", "variant=full", "--cfg", "job"], "--multirun and --cfg cannot be given together; allowed: one of --run, "
                                              "--multirun (-m), --cfg (-c), --info (-i), --shell-completion (-sc) "
                                              "(one job's config: --cfg job, no -m)"),
-    # --cfg with a sweep: Hydra's "Ambiguous value for argument ..." in five lines, exit 1; its parse error too
+    # --cfg or --info with a sweep: Hydra's "Ambiguous value for argument ..." in five lines, exit 1; its
+    # parse error too; a choice that does not exist: Hydra's search path listed
     (["--cfg", "job", "variant=full,linear"], "--cfg prints one job's config, and variant=full,linear sweeps over "
                                               "several; allowed: one value per key with --cfg (e.g. variant=full)"),
     (["--cfg", "job", "variant=nope"], f"unknown variant 'nope'; allowed: {', '.join(variant_names())}"),  # composed
+    (["--info", "defaults", "variant=nope"], f"unknown variant 'nope'; allowed: {', '.join(variant_names())}"),
+    (["--info", "all", "task=mqar,none"], "--info prints one job's config, and task=mqar,none sweeps over several; "
+                                          "allowed: one value per key with --info (e.g. variant=full)"),
     (["--cfg", "job", "seq_lens=["], "no viable alternative at input '[' See "
                                       "https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details"),
     # a flag between overrides: argparse's "unrecognized arguments: variant=full,linear", overrides that are valid
