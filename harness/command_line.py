@@ -46,15 +46,9 @@ def check(argv: list[str]) -> None:
     if args.experimental_rerun is not None and not Path(args.experimental_rerun).is_file():
         raise ConfigError(f"--experimental-rerun {args.experimental_rerun} is not a file (a job's "
                           f".hydra/config.pickle)")
+    # --cfg and --info print one job's config: composed and checked here as a run's (else Hydra's lines:
+    # "Ambiguous value ...", a parse error's, a missing choice's search path)
     prints = next((f for f, given in (("--cfg", args.cfg), ("--info", args.info)) if given is not None), None)
-    if prints:  # one job's config, composed: else Hydra's lines ("Ambiguous value ...", a parse error's)
-        try:
-            swept = sweeping(list(args.overrides))
-        except HydraException as e:
-            raise ConfigError(one_line(str(e))) from None
-        if swept:
-            raise ConfigError(f"{prints} prints one job's config, and {' '.join(swept)} sweeps over several; "
-                              f"allowed: one value per key with {prints} (e.g. variant=full)")
     if args.help or args.hydra_help or commands not in ([], ["--run"], ["--multirun"], ["--cfg"], ["--info"]) \
             or args.config_path or args.experimental_rerun:
         return  # Hydra's own output (help, --shell-completion), or a config Hydra finds elsewhere
@@ -70,8 +64,11 @@ def check(argv: list[str]) -> None:
         try:
             # The config without its sweeps, as Hydra composes it to find the mode (a sweep preset sets it).
             base = compose_job(name, overrides, sweep_jobs({}, overrides), RunMode.MULTIRUN)
+            if prints and (swept := sweeping(overrides)):
+                raise ConfigError(f"{prints} prints one job's config, and {' '.join(swept)} sweeps over several; "
+                                  f"allowed: one value per key with {prints} (e.g. variant=full)")
             if prints:
-                return  # Hydra prints the config, which composes (else its refusal was one line here)
+                return  # Hydra prints it
             multirun = args.multirun or OmegaConf.select(base, "hydra.mode") == RunMode.MULTIRUN
             # Hydra creates the output directory before any of our code runs, with a traceback if it cannot;
             # an empty one (hydra.run.dir=$OUT, OUT unset) would be the current directory.
