@@ -219,6 +219,34 @@ def test_zigzag_balances_causal_work():
     assert max(zz) == min(zz) and max(cont) > 3 * min(cont)
 
 
+
+def test_causal_tiles_hold_each_allowed_pair_once_and_are_masked_exactly_where_a_key_is_ahead():
+    """ring.tiles under causal, for both layouts, P = 1…3, N a multiple of nothing, and key blocks of 1,
+    2, 3, 7 and a whole run: every pair j ≤ i lies in exactly one tile, no tile is wholly in the future,
+    and a tile is masked exactly when some key in it is ahead of some query (j > i). The float64 tests'
+    blocks (7, whole runs) never make a tile whose last key is one past its first query: a corner rule
+    off by one there leaks that pair unmasked, and only blocks of 1 or 2 show it."""
+    from collections import Counter
+
+    from variants.ring import tiles
+    from variants.seqpar import local_runs
+
+    for N in (13, 61):
+        for P in (1, 2, 3):
+            for layout in ("contiguous", "zigzag"):
+                runs = [local_runs(r) for r in shard_runs(N, P, layout)]
+                for block in (1, 2, 3, 7, None):
+                    held = Counter()
+                    for q_runs in runs:
+                        for k_runs in runs:
+                            for (qs, qe, qg), (ks, ke, kg), masked in tiles(q_runs, k_runs, True, block):
+                                pairs = [(i, j) for i in range(qg, qg + qe - qs) for j in range(kg, kg + ke - ks)]
+                                allowed = [(i, j) for i, j in pairs if j <= i]
+                                case = (N, P, layout, block, (qg, qe - qs), (kg, ke - ks))
+                                assert allowed and masked == (len(allowed) < len(pairs)), case
+                                held.update(allowed)
+                    assert held == Counter((i, j) for i in range(N) for j in range(i + 1)), (N, P, layout, block)
+
 def measure_peak(rank, P, attn=None, shape=(1, 2, 1024, 32), dtype=torch.float32, causal=False):
     """Peak bytes of one forward+backward in this rank, as the harness measures (the warm-up's gradients
     cleared first), on its shard of (B, H, N, D); ``attn``: ring zigzag unless given. P=1: the whole
