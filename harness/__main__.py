@@ -3,7 +3,7 @@
 Every key is documented in conf/config.yaml (``python -m harness --help`` prints it). The command line
 is checked first (harness/command_line.py): bad input is one line on stderr naming the problem and the
 allowed values, exit code 2, and nothing written. Ctrl-C and SIGTERM end a run as interrupted (exit 130,
-143), resumable by the same command.
+143), resumable by the same command, and so does stdout's reader going away (`| head`: exit 141).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 
 # What the signal handlers use, imported before they are installed: a handler imports nothing (it may run
 # inside torch's import, which harness.run's would re-enter), and this module imports no torch.
-from harness.signals import PENDING_INTERRUPTS, Terminated, TimeLimit, deferred, raise_pending_interrupt
+from harness.signals import (PENDING_INTERRUPTS, GuardedStdout, Terminated, TimeLimit, deferred,
+                             raise_pending_interrupt)
 
 
 # The output directories of the runs this command started: an interrupt outside a run says what they kept.
@@ -123,6 +124,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, interrupt)
+    sys.stdout = GuardedStdout(sys.stdout)  # before Hydra's log handlers take it: `| head` ends the run in order
     try:
         from harness.command_line import check
         from harness.config import ConfigError, one_line

@@ -26,6 +26,7 @@ class TimeLimit(Terminated):
     NAME, EXIT_CODE = "SIGUSR2: the SLURM time limit is near", 140
 
 
+
 # The interrupts the command line's handlers saw (``Terminated`` or ``KeyboardInterrupt`` classes). Python
 # drops an exception raised inside a finalizer (it prints "Exception ignored in ..."), and a library may
 # swallow one raised inside its import: a signal landing there would be lost, so the run raises it again
@@ -75,3 +76,43 @@ def exit_at_startup_interrupts(name: str) -> None:
         os._exit(128 + signum)
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+
+
+class OutputClosed(Terminated):
+    """stdout's reader went away (``python -m harness ... | head``): as SIGPIPE ends a Unix tool, the run
+    ends as interrupted, resumable, and says so on stderr (``GuardedStdout``)."""
+
+    NAME, EXIT_CODE = "stdout closed by its reader", 141
+
+
+class GuardedStdout:
+    """The command line's sys.stdout. Python ignores SIGPIPE, so a write to a pipe whose reader has gone
+    raises BrokenPipeError wherever it happens: in Hydra's log lines it was a "Logging error" traceback,
+    in rich's print a SystemExit(1) that left a row stored but not counted and status.json "failed".
+    Here the rest of the output goes to /dev/null and the run ends as interrupted (``OutputClosed``), at
+    once or, inside an ``interrupts_deferred`` block, at its end, as a Ctrl-C does."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._closed()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._closed()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)  # fileno, isatty, encoding, ...
+
+    def _closed(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())  # the buffer's rest, and all after
+        PENDING_INTERRUPTS.append(OutputClosed)
+        if not deferred(OutputClosed):
+            raise OutputClosed()

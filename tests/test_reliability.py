@@ -451,6 +451,34 @@ def test_an_interrupt_is_one_line_status_interrupted_and_resumable(tmp_path, sig
     assert seq_lens_of(out) == [32, 40, 48, 56]
 
 
+
+def test_a_closed_stdout_ends_the_run_as_interrupted_with_every_row_counted(tmp_path):
+    """``python -m harness ... | head -1``: once the reader has gone, the next line written ends the run as
+    interrupted (exit 141, one line on stderr), after the row being handed on reached every sink. rich's
+    own answer was SystemExit(1) inside the print: a row stored but not counted, status.json "failed"
+    with points_done 0, and nothing said. In a multirun, Hydra's first log line finds the pipe closed:
+    one line too, not logging's "Logging error" traceback."""
+    out = tmp_path / "D"
+    proc = start("seq_lens=[32,40,48,56]", f"hydra.run.dir={out}")
+    assert "-> " in proc.stdout.readline()  # the run's title, then the reader goes
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141
+    line = error_line(err)
+    status = json.loads((out / "status.json").read_text())
+    rows = lines_of(out / "results.jsonl")
+    assert line == (f"error: interrupted (stdout closed by its reader) after {len(rows)} of 4 points; rerun the "
+                    "same command to resume"), line
+    assert status["state"] == "interrupted" and status["points_done"] == len(rows) >= 1, status
+    assert cli("seq_lens=[32,40,48,56]", f"hydra.run.dir={out}").returncode == 0
+    assert seq_lens_of(out) == [32, 40, 48, 56]
+
+    proc = start("sweep=cpu_small", "variant=full,linear", "seq_lens=[32]", f"hydra.sweep.dir={tmp_path / 'S'}")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141
+    assert error_line(err).startswith("error: interrupted (stdout closed by its reader)")
+
 def interrupted_run(tmp_path, *overrides: str):
     """run() in this process, which must end interrupted; the interrupts its handlers remembered are
     cleared after. Its RunInterrupted."""
