@@ -5,8 +5,9 @@
                                 [--rounds 3] [--resume]
 
 Workload: B=1, H=4, D=64, float32, non-causal, each variant at its defaults (full both on the math path
-and on SDPA). Each point is measured in --rounds rounds (separate processes, minutes apart) and the
-median round kept (harness.results.median_run: among the rounds whose forward+backward is not noisy).
+and on SDPA) but adaptive_span's max_span: 256 (its default is 1024), sliding_window's reach. Each point
+is measured in --rounds rounds (separate processes, minutes apart) and the median round kept
+(harness.results.median_run: among the rounds whose forward+backward is not noisy).
 Writes <out>/<name>/results.{jsonl,csv}, env.json, fit.json per variant (its later rounds in
 <out>/<name>/round-<r>/), and the combined <out>/results.csv (the kept rows), <out>/fit.json and
 <out>/SUMMARY.md (tables, fitted exponents, targets, the rounds' spread). The combined files hold every
