@@ -568,15 +568,18 @@ def output_dir_arg(text: str) -> Path:
 def ctrl_c_is_one_line(main: Callable[[], int | None], name: str, after: str) -> int | None:
     """``main()`` of a script, a Ctrl-C or SIGTERM ending it in one line (``NAME: interrupted (Ctrl-C);
     AFTER``) and exit 130 or 143 (the shell's codes) instead of a KeyboardInterrupt's traceback, or a
-    SIGTERM's silent end. (Before, while its imports ran: harness.signals.exit_at_startup_interrupts.)"""
+    SIGTERM's silent end; and so does stdout's reader going away (``| head``: exit 141, not a
+    BrokenPipeError's traceback). (Before, while its imports ran: harness.signals.exit_at_startup_interrupts.)"""
     import signal
 
-    from .signals import Terminated
+    from .signals import GuardedStdout, Terminated
 
     def terminate(signum, frame) -> None:
         raise Terminated()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, terminate)
+    if not isinstance(sys.stdout, GuardedStdout):
+        sys.stdout = GuardedStdout(sys.stdout)
     try:
         return main()
     except KeyboardInterrupt as e:

@@ -478,6 +478,13 @@ def test_a_closed_stdout_ends_the_run_as_interrupted_with_every_row_counted(tmp_
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 141
     assert error_line(err).startswith("error: interrupted (stdout closed by its reader)")
+    # The scripts and report commands too (harness.config.ctrl_c_is_one_line), not a BrokenPipeError's traceback
+    proc = subprocess.Popen([sys.executable, "-m", "harness.report.compare", str(out), str(out)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141
+    assert error_line(err) == "compare: interrupted (stdout closed by its reader); nothing was written"
 
 def interrupted_run(tmp_path, *overrides: str):
     """run() in this process, which must end interrupted; the interrupts its handlers remembered are

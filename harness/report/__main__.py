@@ -10,4 +10,5 @@ from harness.config import ctrl_c_is_one_line  # noqa: E402
 
 from .sweep import main  # noqa: E402
 
-sys.exit(ctrl_c_is_one_line(main, "report", "--out is as it was (a report is moved there whole)"))
+sys.exit(ctrl_c_is_one_line(main, "report", "--out holds the whole new report or what it held before (a report is "
+                                              "moved there whole)"))
