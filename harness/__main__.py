@@ -142,8 +142,9 @@ def main() -> None:
     except KeyboardInterrupt as e:  # before, between or after runs (startup, composing, a sweep's end)
         name, code = (e.NAME, e.EXIT_CODE) if isinstance(e, Terminated) else ("Ctrl-C", 130)
         # Loaded by Hydra when a multirun started; not imported here (the signal may have cut its import short).
-        MULTIRUN = getattr(sys.modules.get("harness.hydra_hooks"), "MULTIRUN", None) or []
-        print(f"error: {interrupted_outside_a_run(name, RUNS_STARTED, MULTIRUN[-1] if MULTIRUN else None)}",
+        hooks = sys.modules.get("harness.hydra_hooks")
+        MULTIRUN, here = getattr(hooks, "MULTIRUN", None) or [], getattr(hooks, "JOBS_HERE", None) or [False]
+        print(f"error: {interrupted_outside_a_run(name, RUNS_STARTED, MULTIRUN[-1] if MULTIRUN else None, here[-1])}",
               file=sys.stderr)
         if not RUNS_STARTED and not MULTIRUN:  # at startup: nothing opened that an exit handler would close
             # A Ctrl-C that interrupted code run by an extension's import (torch's: PyRun_String) leaves
@@ -155,10 +156,13 @@ def main() -> None:
         sys.exit(code)
 
 
-def interrupted_outside_a_run(name: str, started: list[str], sweep: str | None = None) -> str:
+def interrupted_outside_a_run(name: str, started: list[str], sweep: str | None = None, jobs_here: bool = False) -> str:
     """The line for an interrupt (``name``: Ctrl-C, SIGTERM, ...) that came while no run of this process
     was measuring (a run's own says its points). ``sweep``: the directory of a multirun this process
-    launched, whose jobs may be running elsewhere (joblib's workers, a cluster)."""
+    launched, whose jobs may be running elsewhere (joblib's workers, a cluster), or, ``jobs_here`` (the
+    basic launcher), in this process one after another."""
+    if not started and sweep is not None and jobs_here:
+        return f"interrupted ({name}) before the multirun's first job started; nothing was measured"
     if not started and sweep is not None:
         return (f"interrupted ({name}) while the multirun's jobs ran in other processes: each job's "
                 f"status.json under {sweep} says how far it got (jobs already submitted to a cluster keep "

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 REFUSED = "refused-jobs.jsonl"
 # How a line of REFUSED starts for a job refused for its input in a directory another job of the sweep wrote
@@ -39,6 +39,8 @@ NOT_COMPLETE: list[str] = []
 # The sweep directory of a multirun started in this process (its jobs may run in others: joblib, SLURM).
 MULTIRUN: list[str] = []
 STARTED: list[float] = []  # when it started (time.time())
+JOBS_HERE: list[bool] = []  # whether its launcher runs the jobs in this process, one after another (basic)
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 
 # Where a job's status.json names no multirun (written by older code): a job of this multirun wrote it after
@@ -96,6 +98,7 @@ class Hooks(Callback):
         NOT_COMPLETE.clear()
         MULTIRUN.append(str(config.hydra.sweep.dir))
         STARTED.append(time.time())
+        JOBS_HERE.append(OmegaConf.select(config, "hydra.launcher._target_") == BASIC_LAUNCHER)
         # Inherited by the jobs, whatever the launcher: each job's status.json names its multirun
         os.environ[MULTIRUN_ENV] = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
 

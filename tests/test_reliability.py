@@ -477,7 +477,8 @@ def test_a_closed_stdout_ends_the_run_as_interrupted_with_every_row_counted(tmp_
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 141
-    assert error_line(err).startswith("error: interrupted (stdout closed by its reader)")
+    assert error_line(err) == ("error: interrupted (stdout closed by its reader) before the multirun's first job "
+                               "started; nothing was measured")
     # The scripts and report commands too (harness.config.ctrl_c_is_one_line), not a BrokenPipeError's traceback
     proc = subprocess.Popen([sys.executable, "-m", "harness.report.compare", str(out), str(out)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -575,6 +576,9 @@ def test_an_interrupt_between_runs_does_not_say_nothing_was_measured():
     # A multirun whose jobs run in other processes (joblib, SLURM): this process started none itself.
     line = interrupted_outside_a_run("Ctrl-C", [], "multirun/x")
     assert "jobs ran in other processes" in line and "under multirun/x" in line and "nothing was" not in line
+    # The basic launcher's jobs run in this process: none had started (it said they ran elsewhere)
+    line = interrupted_outside_a_run("Ctrl-C", [], "multirun/x", jobs_here=True)
+    assert line == "interrupted (Ctrl-C) before the multirun's first job started; nothing was measured"
 
 
 def test_an_impossible_output_directory_is_one_line_exit_2(tmp_path):
