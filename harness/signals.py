@@ -26,7 +26,6 @@ class TimeLimit(Terminated):
     NAME, EXIT_CODE = "SIGUSR2: the SLURM time limit is near", 140
 
 
-
 # The interrupts the command line's handlers saw (``Terminated`` or ``KeyboardInterrupt`` classes). Python
 # drops an exception raised inside a finalizer (it prints "Exception ignored in ..."), and a library may
 # swallow one raised inside its import: a signal landing there would be lost, so the run raises it again
