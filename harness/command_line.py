@@ -64,11 +64,11 @@ def check(argv: list[str]) -> None:
         try:
             # The config without its sweeps, as Hydra composes it to find the mode (a sweep preset sets it).
             base = compose_job(name, overrides, sweep_jobs({}, overrides), RunMode.MULTIRUN)
-            if prints and (swept := sweeping(overrides)):
-                raise ConfigError(f"{prints} prints one job's config, and {' '.join(swept)} sweeps over several; "
-                                  f"allowed: one value per key with {prints} (e.g. variant=full)")
-            if prints:
-                return  # Hydra prints it
+            if prints:  # Hydra prints it, for one job
+                if swept := sweeping(overrides):
+                    raise ConfigError(f"{prints} prints one job's config, and {' '.join(swept)} sweeps over several; "
+                                      f"allowed: one value per key with {prints} (e.g. variant=full)")
+                return
             multirun = args.multirun or OmegaConf.select(base, "hydra.mode") == RunMode.MULTIRUN
             # Hydra creates the output directory before any of our code runs, with a traceback if it cannot;
             # an empty one (hydra.run.dir=$OUT, OUT unset) would be the current directory.
