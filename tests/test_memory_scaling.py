@@ -197,3 +197,61 @@ def test_analytic_memory_counts_the_saved_probability_tiles_maxima(causal):
     step()
     measured, analytic = cpu_peak_bytes(step), attn.memory_bytes(b, h, n, d, 4, causal)
     assert measured <= analytic <= 1.3 * measured, (measured, analytic)
+
+
+def test_the_cpu_peak_replays_allocations_in_time_order_and_counts_only_the_cpus(monkeypatch):
+    """The profiler's allocation events are summed in the order they happened (start_ns), not the order
+    the profiler lists them (another thread's are listed apart): +100 at t=10, -100 at t=20, +100 at t=30
+    peak at 100 bytes, listed as +100, +100, -100 they would sum to 200. A CUDA allocation in the same
+    trace is not the CPU's. The profiler is stood in for, so the order is the test's."""
+    import types
+
+    from harness import memory
+
+    def event(t, nbytes, device=torch.autograd.DeviceType.CPU):
+        return types.SimpleNamespace(name=lambda: "[memory]", device_type=lambda: device, start_ns=lambda: t,
+                                     nbytes=lambda: nbytes)
+
+    listed = [event(10, 100), event(30, 100), event(20, -100), event(15, 1000, torch.autograd.DeviceType.CUDA)]
+
+    class Profile:
+        def __init__(self, **options) -> None:
+            self.kineto_results = types.SimpleNamespace(events=lambda: listed)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> bool:
+            return False
+
+    monkeypatch.setattr(memory, "profile", Profile)
+    assert cpu_peak_bytes(lambda: None) == 100
+
+
+def test_a_cuda_peak_is_over_the_inputs_and_this_call_alone(monkeypatch):
+    """On CUDA a point's peak_mem_bytes is the allocator's peak during its call minus what was allocated
+    before it (q, k, v and the output gradient), and peak_mem_abs_bytes the peak itself; the allocator's
+    peak is reset first, so an earlier, larger point's peak is not this one's. The allocator's statistics
+    are stood in for: the test runs without a GPU."""
+    from harness.memory import PeakMemory, peak_memory
+
+    class Allocator:
+        allocated = peak = 0
+
+        def alloc(self, n: int) -> None:
+            self.allocated += n
+            self.peak = max(self.peak, self.allocated)
+
+        def reset(self, device=None) -> None:
+            self.peak = self.allocated
+
+    a = Allocator()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", a.reset)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: a.allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: a.peak)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 1 << 20)
+    a.alloc(10_000), a.alloc(-10_000)  # an earlier point's peak
+    a.alloc(1_000)  # this point's inputs
+    assert peak_memory(lambda: (a.alloc(300), a.alloc(500), a.alloc(-800)), "cuda") == PeakMemory(800, 1_800, 1 << 20)
+    assert peak_memory(lambda: (a.alloc(100), a.alloc(-100)), torch.device("cuda")) == PeakMemory(100, 1_100, 1 << 20)

@@ -548,3 +548,130 @@ def test_the_spread_is_judged_relative_to_the_median_and_min_samples_samples_are
     assert noise({**rec, "fwd_bwd_ms": 0.5, "fwd_bwd_iqr_ms": 0.1}, opts) == [
         ("fwd_bwd", f"fwd_bwd: IQR 20% of the median > measure.max_rel_iqr={opts.max_rel_iqr:g}")]
     assert [p for p, _ in noise({**rec, "fwd_bwd_samples": opts.min_samples - 1}, opts)] == ["fwd_bwd"]
+
+
+def test_a_point_noisy_for_too_few_samples_and_for_another_reason_is_retried():
+    """retry_helps: only a point whose every reason is a pass with too few samples is not measured again
+    (its call is slow and stays slow); one with a spread or others' load besides is (the other reason may
+    go away), as is one with a spread alone."""
+    from harness.measure import retry_helps
+
+    few = f"fwd_bwd: {FEW}"
+    assert retry_helps([few]) is False and retry_helps([few, few]) is False
+    assert retry_helps([few, f"fwd: {SPREAD}"]) is True and retry_helps([LOAD, few]) is True
+    assert retry_helps([f"fwd: {SPREAD}"]) is True
+
+
+def test_a_spread_of_exactly_max_rel_iqr_of_the_median_is_not_noise():
+    """max_rel_iqr is the largest relative spread a quiet pass may have, as the reason's words say ("IQR ...
+    > measure.max_rel_iqr"): an IQR of exactly max_rel_iqr times the median (2 ms of 8 ms at 0.25, exact
+    in binary) is quiet, as exactly min_samples samples are enough; a hair more is noisy."""
+    opts = MeasureOptions(passes=("fwd_bwd",), max_rel_iqr=0.25)
+    rec = {"fwd_bwd_ms": 8.0, "fwd_bwd_iqr_ms": 2.0, "fwd_bwd_samples": 9, "other_cpu_cores": 0.0}
+    assert noise(rec, opts) == []
+    assert [p for p, _ in noise({**rec, "fwd_bwd_iqr_ms": 2.001}, opts)] == ["fwd_bwd"]
+
+
+class FakeClock:
+    """A host clock that moves only when a stood-in call says it took so long: timings exact to the bit."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_cpu_top_up_samples_are_per_call_times_and_stay_within_max_run_time(monkeypatch):
+    """When blocked_autorange returns fewer than min_samples blocks, blocks of the same size are timed here
+    until min_samples: each a per-call time (the block over its calls, as the autorange's), never a
+    whole block's; and one is begun only if a block's time still fits in max_run_time. The autorange and
+    the clock are stood in for: 1 ms a call, blocks of 10 calls, two blocks from the autorange."""
+    import types
+
+    from harness import measure
+
+    clock, calls = FakeClock(), []
+
+    def fn() -> None:
+        calls.append(1)
+        clock.now += 1e-3
+
+    class Timer:
+        def __init__(self, stmt, globals, num_threads):
+            self.fn = globals["fn"]
+
+        def blocked_autorange(self, min_run_time):
+            raw = []
+            for _ in range(2):
+                start = clock.now
+                for _ in range(10):
+                    self.fn()
+                raw.append(clock.now - start)
+            return types.SimpleNamespace(times=[t / 10 for t in raw], raw_times=raw, number_per_run=10)
+
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(measure.benchmark, "Timer", Timer)
+    t = time_fn(fn, torch.device("cpu"), MeasureOptions(min_samples=5))
+    assert (t.median_ms, t.iqr_ms, t.samples) == (pytest.approx(1.0), pytest.approx(0.0), 5) and len(calls) == 50
+    # 45 ms allows the autorange's 20 calls and two blocks more (40 ms), not a third (50 ms)
+    calls.clear()
+    t = time_fn(fn, torch.device("cpu"), MeasureOptions(min_samples=5, max_run_time=0.045))
+    assert t.samples == 4 and len(calls) == 40, (t, len(calls))
+
+
+def test_a_cuda_device_is_timed_with_cuda_events_and_a_cpu_one_with_the_cpu_timer(monkeypatch):
+    """time_fn's choice of timer by the device: CUDA events (cuda_time_fn: do_bench's method, L2 flushed,
+    ``before`` outside the events) for a CUDA device, never the CPU's wall-clock Timer, which would put
+    ``before`` and the launch overhead into every sample; the CPU timer for the CPU. Checked without a
+    GPU: cuda_time_fn is stood in for."""
+    from harness import measure
+    from harness.measure import Timing
+
+    chosen = []
+
+    def events(fn, device, opts, before=None):
+        chosen.append(device)
+        return Timing(1.0, 0.0, 5)
+
+    monkeypatch.setattr(measure, "cuda_time_fn", events)
+    assert time_fn(lambda: None, torch.device("cuda"), MeasureOptions(min_run_time=0.01)) == Timing(1.0, 0.0, 5)
+    assert chosen == [torch.device("cuda")]
+    time_fn(lambda: None, torch.device("cpu"), MeasureOptions(min_run_time=0.01, min_samples=2))
+    assert chosen == [torch.device("cuda")]
+
+
+def test_the_cuda_timers_untimed_calls_are_not_among_its_samples(monkeypatch):
+    """cuda_time_fn's first call and its estimate (where compilation and autotuning happen: 50 ms here,
+    against 1 ms a call after) are warm-up: the samples are the timed calls alone, gpu_repeats of them.
+    The CUDA events and the clock are stood in for by one that moves by each call's stated time."""
+    import types
+
+    from harness import measure
+    from harness.measure import Timing
+
+    clock, calls = FakeClock(), []
+
+    class Event:
+        def __init__(self, enable_timing: bool = True) -> None:
+            self.t = 0.0
+
+        def record(self) -> None:
+            self.t = clock.now
+
+        def elapsed_time(self, end) -> float:
+            return (end.t - self.t) * 1e3
+
+    def fn() -> None:
+        calls.append(1)
+        clock.now += 0.05 if len(calls) <= 2 else 1e-3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(measure, "L2_FLUSH_BYTES", 16)
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    opts = MeasureOptions(min_run_time=0.01, min_samples=5)
+    t = measure.cuda_time_fn(fn, torch.device("cpu"), opts)
+    # the estimate of 50 ms a call: no warm-up calls past it (25 ms), gpu_repeats(50 ms) = min_samples timed
+    assert gpu_repeats(50.0, opts, 100.0) == 5 and len(calls) == 2 + 5
+    assert t == Timing(pytest.approx(1.0), pytest.approx(0.0), 5), t
