@@ -218,16 +218,18 @@ def _run(cfg, settings: Settings, attn: variants.Attention, device: torch.device
         # unless retried or lacking what this run measures (then measured again: the new row supersedes)
         resumed = {key: stored[key] for key in wanted if key in stored and not retried(stored[key], settings.retry)}
         here = machine({**environment.as_dict(), "device": device.type})
-        again = {wanted[key]: lacks for key, row in resumed.items() if (lacks := lacking(row, settings, here))}
+        # This series' points in the directory, the run's lengths or not (stop_on_oom looks at all of them),
+        # those of this machine only: an oom or a skip for memory says nothing of another machine
+        series = series_key(point_identity(attn, settings, device, settings.seq_lens[0]))
+        series_rows = {key: row for key, row in stored.items() if series_key(row) == series and machine(row) == here}
+        # What still stops a length under stop_on_oom: the series' rows but those this run measures again
+        standing = [row for key, row in series_rows.items() if key not in wanted or key in resumed]
+        again = {wanted[key]: lacks for key, row in resumed.items() if (lacks := lacking(row, settings, here, standing))}
         keep = [key for key in resumed if wanted[key] not in again]
         kept = [Result.from_record(resumed[key]) for key in keep]
         done: list[Result] = list(kept)
         display = Display(title, len(settings.seq_lens), task=settings.task is not None, kept=kept, again=again)
         status = JobStatus(out_dir, len(settings.seq_lens), done=kept, job=job_num())
-        # This series' points in the directory, the run's lengths or not (stop_on_oom looks at all of them),
-        # those of this machine only: an oom or a skip for memory says nothing of another machine
-        series = series_key(point_identity(attn, settings, device, settings.seq_lens[0]))
-        series_rows = {key: row for key, row in stored.items() if series_key(row) == series and machine(row) == here}
         task_cache: dict[int, dict[str, Any]] = {}  # task.seq_len fixed: trained once, reused at every point
     except KeyboardInterrupt as e:  # a sweep counts its jobs by their status.json
         ended_unstarted(out_dir, len(settings.seq_lens), e)
@@ -332,15 +334,15 @@ def ended_unstarted(out_dir: Path, total: int, e: BaseException) -> None:
 
 def stopped_by(rows: Iterable[Mapping[str, Any]], seq_len: int) -> str | None:
     """Why ``seq_len`` is not run under stop_on_oom: the shortest shorter point of the series that ran
-    out of memory (oom) or was skipped for it, if any."""
-    first = min((r for r in rows if r["status"] in ("oom", "skipped") and r["seq_len"] < seq_len
-                 and SLOW not in (r.get("reason") or "")), key=lambda r: r["seq_len"], default=None)
+    out of memory (oom) or was skipped for it, if any. A point stop_on_oom skipped is no cause of its own
+    (its cause is a shorter point, or gone: measured again, and fitting now), nor one skipped for time."""
+    first = min((r for r in rows if r["seq_len"] < seq_len and (r["status"] == "oom" or r["status"] == "skipped"
+                 and not any(w in (r.get("reason") or "") for w in (STOPPED, SLOW)))),
+                key=lambda r: r["seq_len"], default=None)
     if first is None:
         return None
-    reason = first.get("reason") or ""
-    cause = reason.split(f" ({STOPPED}")[0] if reason.startswith("not run:") else (
-        f"not run: N={first['seq_len']} was {first['status']}")
-    return f"{cause} ({STOPPED}: a longer sequence needs more memory; stop_on_oom=false runs it anyway)"
+    return (f"not run: N={first['seq_len']} was {first['status']} ({STOPPED}: a longer sequence needs more memory; "
+            "stop_on_oom=false runs it anyway)")
 
 
 def too_slow(attn: variants.Attention, s: Settings, rows: Iterable[Mapping[str, Any]], seq_len: int) -> str | None:
@@ -386,16 +388,23 @@ def retried(row: Mapping[str, Any], retry: tuple[str, ...]) -> bool:
 STOPPED = "stop_on_oom"  # in the reason of a point skipped because a shorter one did not fit
 
 
-def lacking(row: Mapping[str, Any], s: Settings, here: tuple[Any, Any] | None = None) -> list[str]:
+def lacking(row: Mapping[str, Any], s: Settings, here: tuple[Any, Any] | None = None,
+            standing: Iterable[Mapping[str, Any]] | None = None) -> list[str]:
     """What this run measures that a stored point lacks: a time or memory measured on this machine
     (``here``: its ``machine``; a stored oom or skip belongs to its machine too), or, at an ok point, a
     pass of ``measure.passes``, ``measure.memory``, fidelity past a lower ``fidelity.max_seq_len``. Such a
-    point is measured again rather than returned without them. Quality-only runs ignore the machine."""
+    point is measured again rather than returned without them. Quality-only runs ignore the machine. A
+    point stop_on_oom skipped lacks a measurement once nothing of the series that this run keeps
+    (``standing``) stops it: its cause is measured again (retry), or gone."""
     if here is not None and (s.measure.passes or s.measure.memory) and machine(row) != here:
         name, threads = machine(row)
         return [f"measurement on this machine (it was measured on {name}{f', {threads} threads' if threads else ''})"]
-    if row["status"] == "skipped" and not s.stop_on_oom and STOPPED in (row.get("reason") or ""):
-        return ["a measurement (stop_on_oom had skipped it; stop_on_oom=false runs it)"]
+    if row["status"] == "skipped" and STOPPED in (row.get("reason") or ""):
+        if not s.stop_on_oom:
+            return ["a measurement (stop_on_oom had skipped it; stop_on_oom=false runs it)"]
+        if standing is not None and stopped_by(standing, row["seq_len"]) is None:
+            return ["a measurement (stop_on_oom had skipped it; no shorter point of the series kept from earlier "
+                    "runs is oom or skipped for its memory)"]
     if row["status"] != "ok":
         cap = re.search(rf"{re.escape(SLOW)}=([0-9.e+-]+) ", row.get("reason") or "")  # a skip for time
         if cap and (s.measure.max_call_s is None or s.measure.max_call_s > float(cap.group(1))):

@@ -556,6 +556,41 @@ def test_stop_on_oom_records_the_longer_lengths_skipped_without_running_them(tmp
                                                                               512: "oom", 1024: "skipped"}
 
 
+def test_lengths_stop_on_oom_skipped_are_measured_once_what_stopped_them_is_measured_again(tmp_path, monkeypatch):
+    """retry=[oom] measures the oom again: where it still does not fit, the longer lengths it had stopped
+    are skipped anew for it; where it fits now, they are measured too, as is a new longer length. Before,
+    they stayed skipped, "not run: N=128 was oom", with N=128 ok in the same run, and N=512 was skipped
+    for N=256's stale skip. A rerun retrying nothing keeps the skips: their cause stands."""
+    real, ran, fits = runmod.measure_point, [], []
+
+    def oom_at_128(attn, **kw):
+        ran.append(kw["seq_len"])
+        if kw["seq_len"] == 128 and not fits:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(attn, **kw)
+
+    monkeypatch.setattr(runmod, "measure_point", oom_at_128)
+    common = ("variant=full", "num_heads=1", "head_dim=8", "measure.min_run_time=0.01", "logger=none",
+              "fidelity.enabled=false", "measure.passes=[fwd]", "measure.memory=false")
+
+    def now() -> dict[int, tuple[str, str | None]]:
+        return {r["seq_len"]: (r["status"], (r["reason"] or "")[:22] or None) for r in latest(rows_of(tmp_path))}
+
+    run(compose_cfg(*common, "seq_lens=[64,128,256]"), output_dir=tmp_path)
+    skipped = ("skipped", "not run: N=128 was oom")
+    assert ran == [64, 128] and now()[256] == skipped
+    for retry, measured in (("[oom]", [128]), ("[]", [])):  # still oom, then nothing retried
+        ran.clear()
+        run(compose_cfg(*common, "seq_lens=[64,128,256]", f"retry={retry}"), output_dir=tmp_path)
+        assert ran == measured and now()[128][0] == "oom" and now()[256] == skipped, (retry, ran, now())
+    fits.append(True)
+    ran.clear()
+    run(compose_cfg(*common, "seq_lens=[64,128,256,512]", "retry=[oom]"), output_dir=tmp_path)
+    assert ran == [128, 256, 512]
+    assert now() == {n: ("ok", None) for n in (64, 128, 256, 512)}
+    assert len(rows_of(tmp_path)) == 8  # three rows of the first run, N=128 and 256 again, then these three
+
+
 def test_max_call_s_skips_a_length_predicted_too_slow_and_a_higher_cap_runs_it(tmp_path, monkeypatch):
     """measure.max_call_s: from the longest shorter timed point, times the executed FLOPs' ratio, a length
     predicted slower is recorded skipped with the prediction, not run; it does not stop the series as an oom
@@ -962,3 +997,126 @@ def test_on_noise_retry_keeps_the_quietest_try_not_the_first_or_the_last(tmp_pat
                output_dir=tmp_path).rows
     assert (r.fwd_bwd_iqr_ms, r.tries, r.noisy) == (2.0, 3, True)
     assert r.noise_reasons == "fwd_bwd: IQR 20% of the median > measure.max_rel_iqr=0.15"
+
+
+def test_each_pass_times_only_its_own_calls_after_the_warm_up_iterations(monkeypatch):
+    """measure_point with a timer that calls each timed function three times instead of timing it: the
+    warm-up makes measure.warmup_iters forward+backward calls, the forward pass times forwards alone (a
+    forward timed with its backward would report the forward+backward time as the forward's), the backward
+    pass backwards alone (its one forward outside the timer) and forward+backward both; every timed
+    backward starts from cleared input gradients (one that added into the last call's would time an extra
+    add per gradient). No time is asserted: the calls are."""
+    from harness.config import MeasureOptions
+    from harness.measure import Timing, measure_point
+
+    attn = variants.build("full", backend="math")
+    phase, calls, cleared, inputs = ["?"], [], [], {}
+    real_forward = attn.forward
+
+    def forward(q, k, v, causal=False):
+        inputs.update(q=q, k=k, v=v)
+        calls.append((phase[0], "forward"))
+        out = real_forward(q, k, v, causal=causal)
+        out.register_hook(lambda grad: calls.append((phase[0], "backward")))
+        return out
+
+    monkeypatch.setattr(attn, "forward", forward)
+
+    def timer(fn, device, opts, before=None):
+        for _ in range(3):
+            if before is not None:
+                before()
+            cleared.append((phase[0], all(t.grad is None for t in inputs.values())))
+            fn()
+        return Timing(1.0, 0.1, 3)
+
+    record = {}
+    measure_point(attn, batch_size=1, num_heads=1, seq_len=16, head_dim=8, dtype=torch.float32,
+                  device=torch.device("cpu"), causal=False, seed=0, opts=MeasureOptions(warmup_iters=4),
+                  record=record, on_phase=lambda p: phase.__setitem__(0, p), timer_fn=timer)
+
+    def of(p: str) -> list[str]:
+        return [c for q, c in calls if q == p]
+
+    assert of("warm-up") == ["forward", "backward"] * 4
+    assert of("memory") == ["forward", "backward"]
+    assert of("fwd") == ["forward"] * 3
+    assert of("bwd") == ["forward"] + ["backward"] * 3
+    assert of("fwd_bwd") == ["forward", "backward"] * 3
+    assert [ok for p, ok in cleared if p in ("bwd", "fwd_bwd")] == [True] * 6
+    assert (record["fwd_ms"], record["bwd_ms"], record["fwd_bwd_ms"]) == (1.0, 1.0, 1.0)
+
+
+def test_on_noise_retry_ranks_tries_by_their_number_of_reasons_then_their_worst_pass(tmp_path, monkeypatch):
+    """The quietest try has the fewest noise reasons; among tries with as many, the smallest relative spread
+    of its noisiest pass. Three noisy tries (forward / forward+backward IQR of the median): 20% / 20% (two
+    reasons), 50% / 1% and 30% / 10% (one each): the third is kept. Ranked by spread alone the first would
+    be (its worst pass 20%), by its quietest pass the second (1%)."""
+    tries = iter([(1.0, 2.0), (2.5, 0.1), (1.5, 1.0)])  # (fwd_iqr_ms, fwd_bwd_iqr_ms): fwd 5 ms, fwd_bwd 10 ms
+
+    def timed(attn, **kw):
+        fwd_iqr, fwd_bwd_iqr = next(tries)
+        kw["record"].update(setup_s=0.0, warmup_s=0.0, fwd_ms=5.0, fwd_iqr_ms=fwd_iqr, fwd_samples=9,
+                            fwd_bwd_ms=10.0, fwd_bwd_iqr_ms=fwd_bwd_iqr, fwd_bwd_samples=9)
+
+    monkeypatch.setattr(runmod, "measure_point", timed)
+    (r,) = run(compose_cfg("variant=full", "seq_lens=[64]", "num_heads=1", "head_dim=8",
+                           "measure.passes=[fwd,fwd_bwd]", "measure.on_noise=retry", "measure.max_tries=3",
+                           "measure.max_other_cores=1000", "fidelity.enabled=false", "logger=none"),
+               output_dir=tmp_path).rows
+    assert (r.fwd_iqr_ms, r.fwd_bwd_iqr_ms, r.tries, r.noisy) == (1.5, 1.0, 3, True)
+    assert r.noise_reasons == "fwd: IQR 30% of the median > measure.max_rel_iqr=0.15"
+
+
+def test_a_retried_point_keeps_the_first_trys_set_up_and_warm_up_times(tmp_path, monkeypatch):
+    """A retry's set-up and warm-up find the kernels compiled and the plans built: the point's cost of
+    getting ready is the first try's, whichever try's timings are kept (here the second, the quieter)."""
+    tries = iter([(7.0, 3.0, 5.0), (0.01, 0.02, 2.0)])  # (setup_s, warmup_s, fwd_bwd_iqr_ms of 10 ms)
+
+    def timed(attn, **kw):
+        setup_s, warmup_s, iqr = next(tries)
+        kw["record"].update(setup_s=setup_s, warmup_s=warmup_s, fwd_bwd_ms=10.0, fwd_bwd_iqr_ms=iqr,
+                            fwd_bwd_samples=9)
+
+    monkeypatch.setattr(runmod, "measure_point", timed)
+    (r,) = run(compose_cfg("variant=full", "seq_lens=[64]", "num_heads=1", "head_dim=8", "measure.passes=[fwd_bwd]",
+                           "measure.on_noise=retry", "measure.max_tries=2", "measure.max_other_cores=1000",
+                           "fidelity.enabled=false", "logger=none"), output_dir=tmp_path).rows
+    assert (r.fwd_bwd_iqr_ms, r.tries) == (2.0, 2)
+    assert (r.setup_s, r.warmup_s) == (7.0, 3.0)
+
+
+def test_a_skipped_lengths_reason_names_the_shortest_length_that_did_not_fit():
+    """stop_on_oom's reason names the series' memory frontier: the shortest shorter length that ran out of
+    memory, whatever order the rows come in and whatever longer ones failed too (rows of earlier runs into
+    the directory: here N=256's oom, measured alone before N=128's)."""
+    oom = "CUDA out of memory. Tried to allocate 2.00 GiB"
+    rows = [{"seq_len": 256, "status": "oom", "reason": oom}, {"seq_len": 64, "status": "ok", "reason": None},
+            {"seq_len": 128, "status": "oom", "reason": oom}]
+    said = "(stop_on_oom: a longer sequence needs more memory; stop_on_oom=false runs it anyway)"
+    assert runmod.stopped_by(rows, 512) == f"not run: N=128 was oom {said}"
+    assert runmod.stopped_by(rows, 256) == f"not run: N=128 was oom {said}"
+    assert runmod.stopped_by(rows, 128) is None
+
+
+def test_an_out_of_memory_error_raised_while_another_error_is_handled_is_oom():
+    """An OOM the next error was raised while handling (implicitly chained: its __context__, not its
+    __cause__, as code that catches the OOM and raises its own error without ``from`` leaves it) still
+    makes the point oom; the same error without an OOM behind it is an error."""
+    def raised(make):
+        try:
+            make()
+        except RuntimeError as e:
+            return e
+
+    def wrapped():
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("autotuning failed")
+
+    def alone():
+        raise RuntimeError("autotuning failed")
+
+    assert runmod.failure(raised(wrapped)) == {"status": "oom", "reason": "autotuning failed"}
+    assert runmod.failure(raised(alone)) == {"status": "error", "reason": "RuntimeError: autotuning failed"}
