@@ -433,9 +433,9 @@ def parse_jsonl(text: str, check: Callable[[Any], str | None] | None = None) -> 
 
 def _rows_inside(line: str, check: Callable[[Any], str | None], read: Callable[[Any], Any]) -> list[dict[str, Any]]:
     """The whole valid rows inside a damaged line, in order: the rows it starts with, one after another
-    (rows whose newline was lost), and the row it ends with (a line cut mid-write, then joined with the
-    next row: the next append started without a newline). Never an object nested in a row."""
-    rows, end, decoder = [], 0, json.JSONDecoder()
+    (rows whose newline was lost), and the rows it ends with (a line cut mid-write, then joined with the
+    next rows: the next append started without a newline). Never an object nested in a row."""
+    decoder = json.JSONDecoder()
 
     def whole(start: int) -> tuple[Any, int] | None:
         try:
@@ -444,12 +444,19 @@ def _rows_inside(line: str, check: Callable[[Any], str | None], read: Callable[[
             return None
         row = read(row)
         return None if UNDECODABLE.search(line, start, stop) or check(row) is not None else (row, stop)
-    while end < len(line) and (found := whole(end)) is not None:
-        rows.append(found[0])
-        end = found[1]
+
+    def run_of_rows(start: int) -> tuple[list[Any], int]:
+        """The rows one after another from ``start``, and where they stop."""
+        rows, at = [], start
+        while at < len(line) and (found := whole(at)) is not None:
+            rows.append(found[0])
+            at = found[1]
+        return rows, at
+    rows, end = run_of_rows(0)
     for start in (m.start() for m in re.finditer(r"\{", line) if m.start() > end):
-        if (found := whole(start)) is not None and found[1] == len(line):
-            return rows + [found[0]]
+        tail, stop = run_of_rows(start)
+        if tail and stop == len(line):  # rows that end the line: appended after the cut, not nested in it
+            return rows + tail
     return rows
 
 

@@ -685,6 +685,30 @@ def test_fit_exponents_against_theory():
     assert "bwd_ms" not in fits
 
 
+def test_the_theory_beside_a_fitted_exponent_is_the_analytic_slope_not_the_measured_one():
+    """fit.json sets each measured exponent beside the theory: the slope of the forward FLOPs (time) or of
+    the analytic memory (memory) over the same N. A theory read from the measured column would always
+    agree with the fit, hiding a variant that does not scale as its analysis says."""
+    rows = [{"status": "ok", "seq_len": n, "fwd_ms": 1e-6 * n**1.5, "bwd_ms": None, "fwd_bwd_ms": None,
+             "flops_fwd": n**2, "peak_mem_bytes": 10 * n, "analytic_mem_bytes": n**2} for n in (256, 1024, 4096)]
+    fits = fit_exponents(rows)
+    assert (fits["fwd_ms"]["fitted"], fits["fwd_ms"]["theory"]) == (pytest.approx(1.5), pytest.approx(2.0))
+    assert (fits["memory"]["fitted"], fits["memory"]["theory"]) == (pytest.approx(1.0), pytest.approx(2.0))
+    assert (fits["memory"]["measured"], fits["memory"]["analytic"]) == ("peak_mem_bytes", "analytic_mem_bytes")
+
+
+def test_fit_exponents_needs_two_distinct_lengths_and_its_bounds_are_inclusive():
+    """A slope needs two lengths: two rows at one N (two seeds of it) are no fit, whatever their count (a
+    log-log fit through one x is no exponent). min_seq_len and max_seq_len bound the fit with both ends
+    included, as --fit-from does in the report."""
+    rows = [{"status": "ok", "seq_len": n, "seed": seed, "fwd_ms": 1e-6 * n**2, "bwd_ms": None, "fwd_bwd_ms": None,
+             "flops_fwd": n**2, "peak_mem_bytes": None, "analytic_mem_bytes": None}
+            for n in (256, 512, 1024) for seed in (0, 1)]
+    assert fit_exponents([r for r in rows if r["seq_len"] == 256]) == {}
+    assert fit_exponents(rows, min_seq_len=512)["fwd_ms"]["seq_lens"] == [512, 1024]
+    assert fit_exponents(rows, max_seq_len=512)["fwd_ms"]["seq_lens"] == [256, 512]
+
+
 @pytest.mark.gpu
 def test_gpu_point_records_allocator_peaks(tmp_path):
     cfg = compose_cfg("variant=full", "device=cuda", "seq_lens=[256,512]", "measure.min_run_time=0.01")

@@ -334,6 +334,94 @@ def test_damaged_lines_are_moved_aside_said_and_their_points_measured_again(tmp_
     assert status["points_done"] == 4 and status["state"] == "completed"
 
 
+def test_a_row_nested_inside_another_object_is_no_row_but_a_row_ending_a_cut_line_is_kept():
+    """What a damaged line keeps is the rows it starts with and the row it ends with (a cut line joined
+    to the next row), never an object nested in something else: a wrapped copy of a row (another tool's
+    record appended to the file) would otherwise count as a measurement of its point."""
+    from .test_report import row
+
+    whole = json.dumps(row("full", "sdpa", 64, fwd=1.0))
+    joined = parse_jsonl('{"variant": "fu' + whole)
+    assert ([r["seq_len"] for r in joined.rows], joined.recovered) == ([64], [1])
+    # the next two rows joined to the cut (the first's newline lost too): both kept, not the last alone
+    two = parse_jsonl('{"variant": "fu' + whole + json.dumps(row("full", "sdpa", 128, fwd=2.0)))
+    assert ([r["seq_len"] for r in two.rows], two.recovered) == ([64, 128], [1, 1])
+    wrapped = parse_jsonl('{"note": "not a row", "row": ' + whole + "}")
+    assert (wrapped.rows, wrapped.recovered, [d.lineno for d in wrapped.damaged]) == ([], [], [1])
+
+
+def test_status_json_counts_points_by_status_and_noise_the_kept_ones_included(tmp_path):
+    """status.json's statuses and noisy are counts of points, the points an earlier run measured (kept on
+    resume) included: a sweep's summary and a reader of the job's state take "3 ok, 1 oom, 1 noisy" from
+    them, so each point counts once under its own status, and as noisy only where it is."""
+    from harness.results import Result
+
+    from .test_report import row
+
+    def point(n, status="ok", **extra):
+        return Result.from_record(row("full", "sdpa", n, status, fwd=1.0, tries=1, **extra))
+
+    status = JobStatus(tmp_path, 4, done=[point(64), point(128)])
+    status.add(point(256, "oom"))
+    status.add(point(512, noisy=True, noisy_passes=["fwd"], noise_reasons="fwd: IQR 90% of the median"))
+    info = json.loads((tmp_path / "status.json").read_text())
+    assert (info["points_total"], info["points_done"], info["statuses"], info["noisy"]) == \
+        (4, 4, {"ok": 3, "oom": 1}, 1)
+
+
+def test_results_csv_keeps_the_options_of_every_row_not_only_the_first(tmp_path):
+    """A results.csv of several variants (bench_cpu's combined table) has a column for each option any row
+    has: the columns of the first row alone would drop a later variant's window, and with it the identity
+    of its points (every window one series)."""
+    from harness.results import read_csv, write_csv
+
+    from .test_report import row
+
+    rows = [row("full", "sdpa", 64, fwd=1.0), row("sliding_window", "blocksparse", 64, fwd=0.5, opt_window=16),
+            row("sliding_window", "blocksparse", 64, fwd=0.7, opt_window=32, task_opt_steps=10)]
+    write_csv(tmp_path / "results.csv", rows)
+    got = read_csv(tmp_path / "results.csv")
+    assert [(r["variant"], r.get("opt_window"), r.get("task_opt_steps")) for r in got] == [
+        ("full", None, None), ("sliding_window", 16, None), ("sliding_window", 32, 10)]
+
+
+def test_a_last_line_without_its_newline_is_ended_before_the_next_row_is_appended(tmp_path):
+    """A run killed after a row's closing brace and before its newline left a whole last row: the next
+    run ends that line first, so its own row starts a line of its own. Appended to it, the two rows were
+    one damaged line, moved aside with a warning on the next read."""
+    from harness.results import Result
+
+    from .test_report import row
+
+    first, second = row("full", "sdpa", 64, fwd=1.0), row("full", "sdpa", 128, fwd=2.0)
+    (tmp_path / "results.jsonl").write_text(json.dumps(first))  # no newline
+    said = []
+    with ResultStore(tmp_path, warn=said.append) as store:
+        store.add(Result.from_record(second))
+    contents = parse_jsonl((tmp_path / "results.jsonl").read_text())
+    assert (contents.damaged, [r["seq_len"] for r in contents.rows], said) == ([], [64, 128], [])
+
+
+def test_a_file_written_whole_keeps_what_it_held_when_the_write_fails(tmp_path, monkeypatch):
+    """status.json, results.csv, env.json and fit.json are written to a temporary file that is renamed over
+    the old one: a write that fails (a full disk at the flush) leaves the old file whole, and no temporary
+    file behind."""
+    import errno
+
+    from harness import results
+
+    path = tmp_path / "status.json"
+    results.write_json(path, {"state": "running", "points_done": 3})
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(results.os, "fsync", full_disk)
+    with pytest.raises(OSError):
+        results.write_json(path, {"state": "completed", "points_done": 4})
+    assert json.loads(path.read_text()) == {"state": "running", "points_done": 3}
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
+
+
 def test_a_line_that_is_not_utf8_is_moved_aside_byte_for_byte(tmp_path):
     out = tmp_path / "D"
     run(compose_cfg(*TINY, "seq_lens=[32]"), output_dir=out)

@@ -314,6 +314,23 @@ def test_jobs_sharing_a_directory_each_count_in_the_summary(tmp_path):
     assert (status["state"], status["job"], status["jobs"]) == ("completed", 2, {"0": "failed", "1": "completed"})
 
 
+def test_a_job_of_the_multirun_killed_while_it_said_running_is_gone_in_the_next_jobs_status(tmp_path, monkeypatch):
+    """Jobs sharing a directory keep each other's final states in status.json (``jobs``). An earlier job
+    killed without a word left "running"; the job writing now holds the directory, so the lock cannot tell
+    that the earlier one is gone: its state is kept as "gone", never "running" (the summary would count a
+    killed job as still running)."""
+    from harness.results import MULTIRUN_ENV, DirectoryLock, JobStatus
+
+    monkeypatch.setenv(MULTIRUN_ENV, "host:1:1")
+    (tmp_path / "status.json").write_text(json.dumps({"state": "running", "multirun": "host:1:1", "job": 0,
+                                                     "jobs": {"2": "completed"}}))
+    lock = DirectoryLock(tmp_path).acquire()  # this job's run holds the directory
+    try:
+        assert JobStatus(tmp_path, 2, job=1).info["jobs"] == {"0": "gone", "2": "completed"}
+    finally:
+        lock.release()
+
+
 def test_the_summary_counts_this_multiruns_jobs_not_an_earlier_sweeps(tmp_path):
     """A job an earlier sweep left interrupted in the same sweep directory (another sub-grid) is not one of
     this multirun's: it neither shows in the summary nor makes the multirun exit 1. Its status.json names
