@@ -131,6 +131,18 @@ def test_fidelity_beyond_its_max_length_is_missing_with_a_reason(tmp_path):
     assert long_["out_rel_err"] is None and "fidelity.max_seq_len=64" in long_["quality_reason"]
 
 
+def test_fidelity_at_exactly_its_max_length_is_measured(tmp_path):
+    """fidelity.max_seq_len is the longest N measured, itself included: at the default 4096, a sweep's N=4096
+    point would otherwise lose its errors."""
+    from harness.run import run
+
+    sweep = run(compose_cfg("variant=blockwise", "seq_lens=[64]", "num_heads=1", "head_dim=8",
+                            "fidelity.max_seq_len=64", "measure.passes=[]", "measure.memory=false",
+                            "logger=none"), output_dir=tmp_path)
+    (point,) = (r.record() for r in sweep.rows)
+    assert point["quality_reason"] is None and point["out_rel_err"] < 1e-5 and point["mass_kept"] == 1.0
+
+
 def test_inputs_choose_the_distribution_and_local_inputs_keep_more_mass(tmp_path):
     from harness.run import run
 

@@ -799,3 +799,145 @@ def test_latest_keeps_each_points_last_row_in_the_order_of_those_last_rows():
     first, other = row("full", "sdpa", 64, fwd=1.0), row("full", "sdpa", 128, fwd=2.0)
     again = row("full", "sdpa", 64, fwd=3.0)
     assert latest([first, other, again]) == [other, again]
+
+
+# ----- from a mutation audit of report and compare -----------------------------------------------------
+
+def test_a_drop_in_accuracy_mass_kept_or_cosine_is_a_regression_and_a_grown_error_too():
+    """Task accuracy, mass kept and cosine are higher-is-better: a variant whose MQAR accuracy fell from 0.9 to
+    0.5 regressed (judged as lower-is-better it would read "better"); an error that grew regressed too."""
+    from harness.report.compare import judge
+
+    a = row("full", "sdpa", 256, fwd=1.0, mem=1, task_accuracy=0.9, mass_kept=0.9, out_cos=0.99, out_rel_err=0.1)
+    b = {**a, "task_accuracy": 0.5, "mass_kept": 0.5, "out_cos": 0.5, "out_rel_err": 0.5}
+    for metric in ("task_accuracy", "mass_kept", "out_cos"):
+        assert judge(metric, a, b, 0.1)[1] == "REGRESSION", metric
+        assert judge(metric, b, a, 0.1)[1] == "better", metric
+    assert judge("out_rel_err", a, b, 0.1)[1] == "REGRESSION"
+
+
+def test_a_point_that_regressed_on_two_metrics_counts_once():
+    """'n of m matched points regressed' counts points, not point x metric: a point slower and larger is one
+    regressed point of two (counted per metric, 2 of 2 points would read as regressed)."""
+    from harness.report.compare import compare
+
+    a = [row("full", "sdpa", n, fwd=1.0, mem=100) for n in (256, 512)]
+    b = [{**a[0], "fwd_bwd_ms": 6.0, "peak_mem_bytes": 200}, a[1]]
+    result = compare({collect.compare_key(r): [r] for r in a}, {collect.compare_key(r): [r] for r in b},
+                     ["fwd_bwd_ms", "peak_mem_bytes"], 0.1)
+    assert [(r[5], r[9]) for r in result["table"]] == [("REGRESSION", "REGRESSION"), ("", "")]  # both metrics
+    assert result["regressions"] == 1
+
+
+def test_a_change_of_time_against_one_run_of_either_side_is_said_to_rest_on_one_run():
+    """Three runs in A and one in B: the change still rests on B's single run (its spread between runs is
+    unknown), so it is counted among the changes judged on one run of A or B."""
+    from harness.report.compare import compare
+
+    def runs(times):
+        return [row("full", "sdpa", 512, fwd=ms / 3, mem=1, fwd_bwd_iqr_ms=0.2) for ms in times]
+
+    a, b = runs([10.0, 10.1, 9.9]), runs([13.0])
+    key = collect.compare_key(a[0])
+    result = compare({key: a}, {key: b}, ["fwd_bwd_ms"], 0.1)
+    assert result["table"][0][-1] == "REGRESSION"
+    assert result["time_changes_from_one_run"] == 1
+    assert compare({key: a}, {key: runs([13.0, 13.1, 12.9])}, ["fwd_bwd_ms"], 0.1)["time_changes_from_one_run"] == 0
+
+
+def test_compare_shows_memory_in_mebibytes():
+    """peak_mem_bytes is shown in MiB (2**20 bytes), as the report's tables: 64 MiB is 64.0MiB, not 67.1 (MB)."""
+    from harness.report.compare import compare
+
+    a = row("full", "sdpa", 256, fwd=1.0, mem=64 * 2 ** 20)
+    b = {**a, "peak_mem_bytes": 32 * 2 ** 20}
+    key = collect.compare_key(a)
+    (line,) = compare({key: [a]}, {key: [b]}, ["peak_mem_bytes"], 0.1)["table"]
+    assert line[2:5] == ["64.0MiB", "32.0MiB", "0.500"], line
+
+
+def test_a_variant_as_fast_as_full_is_not_faster():
+    """The crossover is where the variant is faster than full: an equal time is not faster (a series exactly
+    as fast as full at 256 and twice as fast from 512 crosses at 512, not at every N)."""
+    rows = [row("x", "b", n, fwd=t) for n, t in ((256, 2.0), (512, 4.0))]
+    assert report.crossover(rows, {256: 2.0, 512: 8.0}, "fwd_ms") == (512, False)
+
+
+def test_a_point_in_error_is_not_a_length_that_fits():
+    """The largest N that fits is the largest ok N: a point that failed otherwise (error, nonfinite) is no
+    evidence that N fits in memory."""
+    rows = [row("x", "b", n, fwd=1.0) for n in (256, 512)]
+    rows += [row("x", "b", 1024, "error"), row("x", "b", 2048, "nonfinite"), row("x", "b", 4096, "oom")]
+    assert report.max_fitting(rows) == (512, 4096, "oom")
+
+
+def test_the_ratio_plots_draw_full_over_variant_time_and_variant_over_full_memory(tmp_path, monkeypatch):
+    """The speed-up is full's time / the variant's (a variant 4x faster is drawn at 4, not 0.25); the memory
+    ratio is the variant's peak / full's (a quarter of full's memory is drawn at 0.25)."""
+    window = [row("sliding_window", "blocksparse", n, fwd=1.0, mem=100, opt_window=64) for n in (256, 512)]
+    write_sweep(tmp_path, [[row("full", "sdpa", n, fwd=4.0, mem=400) for n in (256, 512)], window])
+    drawn, save = {}, report._save
+
+    def spy(fig, path):  # each labelled line's points, read before the figure is closed
+        drawn[path.stem] = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].get_lines()
+                            if not line.get_label().startswith("_")}
+        return save(fig, path)
+
+    monkeypatch.setattr(report, "_save", spy)
+    report.make_report(tmp_path, tmp_path / "report")
+    for plot in ("speedup_fwd_ms", "speedup_fwd_bwd_ms"):
+        assert drawn[plot] == {"sliding_window/blocksparse": [4.0, 4.0]}, (plot, drawn[plot])
+    assert drawn["mem_ratio"] == {"sliding_window/blocksparse": [0.25, 0.25]}, drawn["mem_ratio"]
+
+
+def test_the_reports_exponent_leaves_a_noisy_timing_out():
+    """The series table's fitted exponent is over the trusted points: a forward noisy at 1024 (99 ms, far off
+    the N² line) is left out of the forward's fit, as the report's title says."""
+    rows = [row("full", "sdpa", n, fwd=1e-6 * n * n) for n in (256, 512, 1024, 2048)]
+    rows[2].update(fwd_ms=99.0, noisy=True, noisy_passes=["fwd"], noise_reasons="fwd: IQR 90% of the median")
+    assert report.series_exponent(rows, "fwd_ms") == pytest.approx(2.0, abs=1e-9)
+
+
+def test_the_series_table_fits_each_pass_in_its_own_column():
+    """exp. fwd, exp. bwd and exp. mem are the exponents of fwd_ms, bwd_ms and peak_mem_bytes: a forward ∝ N²
+    and a backward ∝ N read 2.00 and 1.00 (the forward+backward, a mix of both, is no column's)."""
+    rows = [row("full", "sdpa", n, fwd=1e-6 * n * n, mem=16 * n, bwd_ms=1e-3 * n, fwd_bwd_ms=1e-6 * n * n + 1e-3 * n)
+            for n in (256, 1024, 4096)]
+    groups = collect.group_series(rows)
+    head, (line,) = report.series_table(groups, series_labels(groups))
+    assert [line[head.index(c)] for c in ("exp. fwd", "exp. bwd", "exp. mem")] == ["2.00", "1.00", "1.00"], line
+
+
+def test_the_every_point_table_puts_each_field_in_its_column_and_memory_in_mebibytes():
+    """Each column of the every-point table holds its own field (distinct values, so a swap shows), and the
+    peak in MiB (2**20 bytes): 3 MiB reads 3, not 3.15 (MB)."""
+    r = row("full", "sdpa", 256, fwd=1.0, mem=3 * 2 ** 20, fwd_iqr_ms=0.1, bwd_iqr_ms=0.2, fwd_bwd_iqr_ms=0.3,
+            tflops_fwd=0.7, out_rel_err=0.01, mass_kept=0.9, task_accuracy=0.8, other_cpu_cores=0.05)
+    groups = collect.group_series([r])
+    head, (line,) = report.points_table(groups, series_labels(groups))
+    assert dict(zip(head, line)) == {
+        "series": "full/sdpa", "N": 256, "status": "ok", "fwd ms": 1.0, "fwd IQR": 0.1, "bwd ms": 2.0,
+        "bwd IQR": 0.2, "fwd+bwd ms": 3.0, "fwd+bwd IQR": 0.3, "peak MiB": 3.0, "TFLOP/s fwd": 0.7,
+        "out rel err": 0.01, "mass kept": 0.9, "task acc": 0.8, "others' cores": 0.05, "noisy passes": None}
+
+
+def test_a_point_measured_again_last_takes_its_place_by_length_in_the_crossover(tmp_path):
+    """A point measured again (a resumed run) is the last row of its file, so the rows come back out of length
+    order; a series is its rows sorted by N, else the crossover (the first N from which the variant stays
+    faster) would read them in file order: slower at 256 measured last would read as "none in range"."""
+    full = [row("full", "sdpa", n, fwd=1.0) for n in (256, 512, 1024)]
+    window = [row("sliding_window", "blocksparse", n, fwd=f) for n, f in ((256, 3.0), (512, 0.5), (1024, 0.5))]
+    write_sweep(tmp_path, [[*full, *window, row("sliding_window", "blocksparse", 256, fwd=2.0)]])
+    groups = collect.group_series(load_rows(tmp_path, warn=[].append))
+    assert [[r["seq_len"] for r in rows] for rows in groups.values()] == [[256, 512, 1024]] * 2
+    _, body = report.crossover_table(groups, series_labels(groups))
+    assert body == [["sliding_window/blocksparse", 512, 512]], body
+
+
+def test_a_forward_time_kept_by_a_point_that_ran_out_of_memory_is_no_measured_value():
+    """A point whose backward ran out of memory keeps the forward time measured before it (harness.measure):
+    the point is oom, so full failed there (the crossover's "full failed") and the series' fit and plots have
+    no value at that N; the time is not full's best time there."""
+    full = [row("full", "sdpa", 256, fwd=1.0), {**row("full", "sdpa", 512, "oom"), "fwd_ms": 1.5, "tflops_fwd": 0.5}]
+    assert report.reference([full], "fwd_ms") == {256: 1.0, 512: None}
+    assert collect.ok_value(full[1], "fwd_ms") is None and report.trusted(full[1], "tflops_fwd") is None

@@ -272,3 +272,32 @@ def test_the_learning_rate_warms_up_from_the_first_step_and_decays_to_a_tenth():
     assert [lr_at(s, cfg) for s in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert lr_at(4, cfg) == pytest.approx(1e-3) and lr_at(14, cfg) == pytest.approx(0.55e-3)
     assert lr_at(24, cfg) == pytest.approx(1e-4) and lr_at(100, cfg) == pytest.approx(1e-4)
+
+
+def test_the_train_loss_of_each_eval_is_the_mean_since_the_previous_one(monkeypatch):
+    """history's train_loss is the mean of the training steps' losses since the previous eval (the docstring's
+    "averaged since the previous eval"), not the mean since the first step, which lags the curve."""
+    losses = []  # every training step's loss, in order
+
+    def recording(logits, targets):
+        loss = task_query_loss(logits, targets)
+        if torch.is_grad_enabled():  # a training step; evaluate runs without gradients
+            losses.append(float(loss.detach()))
+        return loss
+
+    task_query_loss = task.query_loss
+    monkeypatch.setattr(task, "query_loss", recording)
+    r = train_mqar("full", {}, dataclasses.replace(TINY, steps=6, eval_every=3))
+    assert len(losses) == 6
+    assert [h["train_loss"] for h in r["history"]] == pytest.approx([sum(losses[:3]) / 3, sum(losses[3:]) / 3])
+
+
+def test_the_task_accuracy_is_the_final_evals_not_the_best(monkeypatch):
+    """task_accuracy and task_loss are those of the last eval: picking the best eval along the way would select
+    on the eval set and report an accuracy the final model does not have."""
+    scripted = iter([{"eval_accuracy": 0.2, "eval_loss": 2.0}, {"eval_accuracy": 0.9, "eval_loss": 0.5},
+                     {"eval_accuracy": 0.4, "eval_loss": 1.0}])
+    monkeypatch.setattr(task, "evaluate", lambda *args: next(scripted))
+    r = train_mqar("full", {}, dataclasses.replace(TINY, steps=3, eval_every=1))
+    assert [h["eval_accuracy"] for h in r["history"]] == [0.2, 0.9, 0.4]
+    assert (r["task_accuracy"], r["task_loss"]) == (0.4, 1.0)
