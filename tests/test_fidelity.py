@@ -199,3 +199,21 @@ def test_the_output_max_error_and_cosine_are_those_of_the_variants_output_agains
     cos = float(torch.nn.functional.cosine_similarity(o.flatten(), ref.flatten(), dim=0))
     assert cos < 1 - 1e-7  # the perturbation is visible in the cosine
     assert r["out_cos"] == pytest.approx(cos, abs=1e-12)
+
+
+class HalvedFull(Full):
+    """Full attention times 0.5: its output and every gradient half the exact ones."""
+
+    def _attend(self, q, k, v, causal, backend):
+        return 0.5 * super()._attend(q, k, v, causal, backend)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_relative_errors_are_over_the_exact_norms(causal):
+    """out_rel_err is ‖o − o_ref‖ / ‖o_ref‖ and grad_rel_err the same of dq, dk, dv: over the exact norm. A
+    variant at half the exact output (and so half each gradient) is 0.5 off in both; over its own norm it
+    would read 1.0, and a variant shrinking its output would flatter itself. Exact in float64."""
+    q, k, v = inputs("gaussian", N=50, dtype=torch.float64)
+    r = fidelity(HalvedFull(backend="math"), q, k, v, causal=causal, block_size=16)
+    assert r["out_rel_err"] == pytest.approx(0.5, rel=1e-9)
+    assert r["grad_rel_err"] == pytest.approx(0.5, rel=1e-9)
