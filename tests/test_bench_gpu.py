@@ -1374,3 +1374,108 @@ def test_an_earlier_run_of_every_test_is_counted_in_the_summary():
     tests = summary.gpu_tests(ROOT / "results" / "gpu" / "2026-11-27-nvidia-h100-80gb-hbm3")
     assert tests["earlier"] == {"tests-gpu.20261127T034052Z.jsonl": {"passed": 189, "skipped": 40}}
     assert tests["counts"] == {"passed": 189, "skipped": 40}
+
+
+def cuda_context(tmp_path):
+    """A GPU run's Context on rows made up for it (as the judgement test above): full with two backends."""
+    bench, _, summary = load_bench()
+    recorded = {"full": ["sdpa_flash", "flex"], "linear": ["sdpa", "math"], "blockwise-local": ["blocksparse", "flex"]}
+    ctx = bench.Context(bench.GPU_PLAN, tmp_path, torch.device("cuda"), None, print,
+                        ["full", "linear", "blockwise-local"], recorded)
+    return ctx, summary
+
+
+def table21_rows(ratios, B=2, H=4, D=64, **more):
+    """full math rows in fp16 whose peak with the inputs is ``ratio`` × FA-1's formula at each N."""
+    rows = []
+    for N, ratio in ratios:
+        formula, inputs = (4 * N * N + 10 * N * D) * B * H * 2, 4 * B * H * N * D * 2
+        rows.append({"variant": "full", "backend": "math", "batch_size": B, "num_heads": H, "seq_len": N,
+                     "head_dim": D, "dtype": "float16", "causal": False, "device": "cuda",
+                     "peak_mem_bytes": round(ratio * formula) - inputs, **more})
+    return rows
+
+
+def test_table21_is_missed_by_a_peak_under_the_formula_as_by_one_over_it(tmp_path):
+    """"Within 2%" is both ways: a peak 5% under FA-1's formula is as far from it as one 5% over (a
+    path that held one N×N fewer, or a measurement that missed an allocation). Catches the bound made
+    one-sided (ratio - 1 <= 0.02), which passes any peak below the formula."""
+    ctx, summary = cuda_context(tmp_path)
+    res = {"roof": {}, "targets": []}
+    summary.memory_targets(ctx, table21_rows([(1024, 1.0), (2048, 0.95)]), res)
+    t = {t["target"]: t for t in res["targets"]}["table21"]
+    assert (t["status"], t["value"]) == ("missed", pytest.approx(0.95, abs=1e-6)), t
+    assert t["gap"].startswith("worst N=2048: -5.0%"), t
+    res = {"roof": {}, "targets": []}
+    summary.memory_targets(ctx, table21_rows([(1024, 1.0), (2048, 0.985)]), res)
+    assert {t["target"]: t for t in res["targets"]}["table21"]["status"] == "met"
+
+
+def test_table21_reads_full_maths_rows_only(tmp_path):
+    """Table 21's formula is of FA-1's PyTorch baseline, full's math path: another backend of full in a/full
+    (sdpa_flash, O(N) memory; sdpa_math, N×N of its own count) is no point of it. Catches the backend left
+    out of the filter: a flash row's small peak then reads as Table 21's worst N."""
+    ctx, summary = cuda_context(tmp_path)
+    a = table21_rows([(1024, 1.0), (2048, 1.0)])
+    a.append({**a[1], "backend": "sdpa_flash", "peak_mem_bytes": 10 * 2**20})
+    res = {"roof": {}, "targets": []}
+    summary.memory_targets(ctx, a, res)
+    assert [m["seq_len"] for m in res["table21"]] == [1024, 2048], res["table21"]
+    t = {t["target"]: t for t in res["targets"]}["table21"]
+    assert (t["status"], t["value"]) == ("met", pytest.approx(1.0, abs=1e-6)), t
+
+
+def test_full_roof_is_judged_on_the_fastest_non_causal_forward_at_its_point(tmp_path):
+    """full_roof reads the best (highest TFLOP/s) trusted forward among the full backends at (N, D) non-causal:
+    a slower backend beside it does not decide, and neither does a causal row at the same point nor a row
+    at another D (other workloads: FA-2's useful causal FLOPs are half), nor a row that did not end ok.
+    Catches min for max, and the causal, head_dim or status filter dropped."""
+    ctx, summary = cuda_context(tmp_path)
+    n, d = ctx.plan.roof_target
+    roof = {"status": "ok", "tflops": {"bfloat16": 1000.0, "float16": 1000.0}}
+    row = {"seq_len": n, "head_dim": d, "causal": False, "status": "ok"}
+
+    def judged(c):
+        res = {"roof": roof, "targets": []}
+        summary.roof_target(ctx, c, res)
+        return res["targets"][0]
+
+    t = judged([{**row, "backend": "sdpa_flash", "tflops_fwd": 700.0}, {**row, "backend": "flex", "tflops_fwd": 400.0}])
+    assert (t["status"], t["value"]) == ("met", pytest.approx(0.7)) and t["detail"].startswith("sdpa_flash 700.0"), t
+    c = [{**row, "backend": "sdpa_flash", "tflops_fwd": 500.0}, {**row, "backend": "flex", "tflops_fwd": 400.0},
+         {**row, "backend": "sdpa_flash", "causal": True, "tflops_fwd": 900.0},
+         {**row, "backend": "flex", "head_dim": d // 2, "tflops_fwd": 950.0},
+         {**row, "backend": "flex", "status": "oom", "tflops_fwd": 980.0}]  # its forward timed, then an oom
+    t = judged(c)
+    assert (t["status"], t["value"]) == ("missed", pytest.approx(0.5)), t
+    assert t["gap"] == "100.0 TFLOP/s short of 60% (50.0% of the roof)", t
+
+
+def test_a_target_exactly_at_its_bound_is_met_and_just_under_it_missed(tmp_path, monkeypatch):
+    """The targets say ">= 60%" and ">= 0.9x": a value on the bound meets it, and 0.85x misses the 0.9x
+    comparison. Catches > for >=, and the comparison's bound moved (0.8)."""
+    ctx, summary = cuda_context(tmp_path)
+    n, d = ctx.plan.roof_target
+    res = {"roof": {"status": "ok", "tflops": {"bfloat16": 1000.0}}, "targets": []}
+    summary.roof_target(ctx, [{"seq_len": n, "head_dim": d, "causal": False, "status": "ok", "backend": b,
+                               "tflops_fwd": ms} for b, ms in (("sdpa_flash", 600.0), ("flex", 100.0))], res)
+    assert (res["targets"][0]["status"], res["targets"][0]["value"]) == ("met", 0.6), res["targets"][0]
+    label = "blockwise-local"
+    names = ctx.public_names(label)
+    (tmp_path / "d").mkdir()
+
+    def compared(public_ms):
+        (tmp_path / "d" / "compare.jsonl").write_text("".join(
+            json.dumps({"label": label, "kind": "public", "name": name, "status": "ok", "fwd_bwd_ms": public_ms})
+            + "\n" for name in names))
+        ours = [{"backend": b, "status": "ok", "fwd_bwd_ms": 2.0, "warmup_s": 1.0, "reason": None}
+                for b in ("blocksparse", "flex")]
+        monkeypatch.setattr(summary, "rows_of", lambda path: ours if path.name == label else [])
+        res = {"roof": {}, "targets": []}
+        summary.compare_targets(ctx, res)
+        return {t["target"]: t for t in res["targets"]}[f"compare_{label}"]
+
+    t = compared(1.8)
+    assert (t["status"], t["value"]) == ("met", 0.9), t
+    t = compared(1.7)
+    assert (t["status"], t["value"]) == ("missed", pytest.approx(0.85)), t

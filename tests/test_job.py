@@ -183,3 +183,127 @@ def test_a_failed_step_is_run_once_more_at_once_and_then_recorded_failed(tmp_pat
     job.run([Step("own", "own")])
     assert tries.read_text() == "xx", said
     assert job.state == {"own": "exit 1"} and "[own] exit 1: once more, resuming" in said
+
+
+def counting(tries, code: int, sleep_s: float = 0) -> list[str]:
+    """A step's process (after the interpreter) that adds an x to ``tries``, sleeps, and exits ``code``."""
+    script = (f"import pathlib, sys, time; p = pathlib.Path({str(tries)!r}); "
+              f"p.write_text(p.read_text() + 'x' if p.exists() else 'x'); time.sleep({sleep_s}); sys.exit({code})")
+    return ["-c", script]
+
+
+def test_a_step_that_succeeds_is_run_once(tmp_path):
+    """The retry is for a failed process only: a step that exits 0 is recorded complete and not started again
+    (a sweep run twice costs a process start and its whole grid's skip checks, a subclass's step all of its
+    work). Catches the retry's ``rc == 0`` left out."""
+    tries = tmp_path / "tries"
+
+    class Once(Job):
+        def command(self, step, overrides=None, sweep_dir=None):
+            return counting(tries, 0)
+
+    said: list[str] = []
+    job = Once(tmp_path, budget_s=600, log=said.append)
+    job.run([Step("own", "own")])
+    assert tries.read_text() == "x" and job.state == {"own": "complete"}, said
+
+
+def test_a_step_that_stops_for_its_budget_is_interrupted_not_complete_and_not_run_again(tmp_path):
+    """A subclass's step that keeps to the budget itself exits BUDGET_SPENT when it is spent: recorded
+    "interrupted by the budget" (the next invocation runs it again), not complete and not failed, and not
+    started again at once. Catches BUDGET_SPENT taken for success."""
+    from harness.job import BUDGET_SPENT
+
+    tries = tmp_path / "tries"
+
+    class Spent(Job):
+        def command(self, step, overrides=None, sweep_dir=None):
+            return counting(tries, BUDGET_SPENT)
+
+    said: list[str] = []
+    job = Spent(tmp_path, budget_s=600, log=said.append)
+    job.run([Step("own", "own")])
+    assert tries.read_text() == "x" and job.state == {"own": "interrupted by the budget"}, said
+    assert said[-1] == "[own] interrupted by the budget: run again to continue"
+
+
+def test_a_sweep_still_running_when_the_budget_is_spent_is_stopped_at_once_and_recorded_interrupted(tmp_path):
+    """A sweep gets no grace past the budget (a subclass's own step, which ends itself, gets 60 s): the
+    budget spent, it is sent SIGTERM and the job goes on at once; state.json says "interrupted by the
+    budget" (not a failure's exit code) and it is not started again. The budget here: 25 s when the step
+    starts, 1 s from then on. Catches the wait without a timeout, the grace given to sweeps, and the stop
+    recorded as a failure."""
+    import time
+
+    tries = tmp_path / "tries"
+
+    class Slow(Job):
+        calls = 0
+
+        def left(self):
+            self.calls += 1
+            return 25.0 if self.calls == 1 else self.deadline - time.monotonic()
+
+        def command(self, step, overrides=None, sweep_dir=None):
+            return counting(tries, 0, sleep_s=40)
+
+    said: list[str] = []
+    job = Slow(tmp_path, budget_s=1, log=said.append)
+    began = time.monotonic()
+    job.run([Step("a", "a:slow", "seq_len_scaling", ("variant=linear",), "a/slow")])
+    assert time.monotonic() - began < 20, said
+    assert tries.read_text() == "x" and job.state == {"a:slow": "interrupted by the budget"}, said
+    assert json.loads((tmp_path / "state.json").read_text()) == {"a:slow": "interrupted by the budget"}
+
+
+def result_row(seq_len: int, causal: bool) -> dict:
+    return {"variant": "linear", "backend": "sdpa", "seq_len": seq_len, "batch_size": 1, "num_heads": 2, "head_dim": 16,
+            "dtype": "float32", "device": "cpu", "causal": causal, "seed": 0, "status": "ok"}
+
+
+def test_a_sweeps_points_are_told_apart_by_causal_and_complete_needs_its_state_too(tmp_path):
+    """A sweep over causal=false,true has a point for each: the non-causal row of a length is not the causal
+    one's, so a lost causal row reopens the step. And every row there is not enough: a step whose state.json
+    entry is not "complete" (interrupted by the budget, a failure) is not complete. Catches causal left out
+    of the grid's keys, and complete() read from the rows alone."""
+    step = Step("c", "c:linear", "seq_len_scaling",
+                ("variant=linear", "variant.backend=sdpa", "causal=false,true", "seq_lens=[32,48]"), "c/linear")
+    store = tmp_path / "c" / "linear" / "0"
+    store.mkdir(parents=True)
+    rows = [result_row(n, c) for n in (32, 48) for c in (False, True) if (n, c) != (48, True)]
+    (store / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = Job(tmp_path)
+    assert pending_points(job, step) == [("linear", "sdpa", True, 48)]
+    job.finish("c:linear", "complete")
+    assert not job.complete(step)
+    with (store / "results.jsonl").open("a") as f:
+        f.write(json.dumps(result_row(48, True)) + "\n")
+    assert pending_points(job, step) == [] and job.complete(step)
+    job.finish("c:linear", "interrupted by the budget")
+    assert not job.complete(step)
+
+
+def test_holding_the_job_reads_the_state_as_it_is_then(tmp_path):
+    """A script builds its Job (reading state.json), then holds the directory: an invocation that held it
+    in between and recorded a step has its outcome in the file. The holder reads it again, so the outcomes
+    it writes keep that one: rewritten from the copy read before, it was lost (and the step run again)."""
+    job = Job(tmp_path)
+    other = Job(tmp_path)
+    lock = other.hold()
+    other.finish("a:linear", "complete")
+    lock.release()
+    lock = job.hold()
+    try:
+        job.finish("a:full", "interrupted by the budget")
+    finally:
+        lock.release()
+    assert json.loads((tmp_path / "state.json").read_text()) == {"a:linear": "complete",
+                                                                 "a:full": "interrupted by the budget"}
+
+
+def test_a_sweeps_lengths_are_its_last_seq_lens_override(tmp_path):
+    """Hydra takes the last of an override given twice (a step's own seq_lens, then one narrowed after it):
+    the points a step waits for are that one's lengths. Catches the first one read."""
+    step = Step("a", "a:linear", "seq_len_scaling", ("variant=linear", "variant.backend=sdpa", "seq_lens=[32]",
+                                                     "seq_lens=[32,48]"), "a/linear")
+    assert pending_points(Job(tmp_path), step) == [("linear", "sdpa", 32), ("linear", "sdpa", 48)]
