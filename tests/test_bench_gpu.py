@@ -1425,6 +1425,23 @@ def test_table21_reads_full_maths_rows_only(tmp_path):
     assert (t["status"], t["value"]) == ("met", pytest.approx(1.0, abs=1e-6)), t
 
 
+def test_table21_counts_a_rows_bytes_in_its_own_dtype(tmp_path):
+    """Table 21's points add the inputs (q, k, v, dout) to the peak, and the path's own count, in the row's
+    dtype: a float32 row (the CPU dry run's) has 4-byte elements, so a peak of exactly its own count reads
+    1.0 against it, with 16·B·H·N·D bytes of inputs. Catches the fp16 element size assumed for every row."""
+    import variants
+
+    ctx, summary = cuda_context(tmp_path)
+    B, H, D, math = 2, 4, 64, variants.build("full", backend="math")
+    a = [{**row, "dtype": "float32", "peak_mem_bytes": math.memory_bytes(B, H, row["seq_len"], D, 4, False, "cuda")}
+         for row in table21_rows([(256, 1.0), (512, 1.0)], B=B, H=H, D=D)]
+    res = {"roof": {}, "targets": []}
+    summary.memory_targets(ctx, a, res)
+    assert [m["own_ratio"] for m in res["table21"]] == [pytest.approx(1.0, abs=1e-12)] * 2, res["table21"]
+    assert [m["measured_mib"] * 2**20 for m in res["table21"]] == [
+        pytest.approx(r["peak_mem_bytes"] + 16 * B * H * r["seq_len"] * D) for r in a]
+
+
 def test_full_roof_is_judged_on_the_fastest_non_causal_forward_at_its_point(tmp_path):
     """full_roof reads the best (highest TFLOP/s) trusted forward among the full backends at (N, D) non-causal:
     a slower backend beside it does not decide, and neither does a causal row at the same point nor a row
