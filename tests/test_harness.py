@@ -665,6 +665,53 @@ def test_the_largest_seed_is_accepted_as_the_message_says():
         assert settings.seed == seed and settings.task["seed"] == seed
 
 
+def test_each_bound_refuses_the_value_past_it_and_accepts_the_value_at_it():
+    """Every bound is stated in the refusal's line ("integer >= 1", "at most 604800", "<= tokens_per_batch"):
+    the value at the bound passes and the one past it is refused, for the checks no other test reaches the
+    edge of (max_tries=0 ran no measurement at all; fidelity.block_size=0 failed in range() at the first
+    point; a week, or N == tokens_per_batch (B = 1), refused by a slip to >=)."""
+    edges = [  # (at the bound: accepted, past it: refused, words of the refusal)
+        ("measure.max_tries=1", "measure.max_tries=0", ["measure.max_tries", ">= 1", "got 0"]),
+        ("fidelity.block_size=1", "fidelity.block_size=0", ["fidelity.block_size", "> 0", "got 0"]),
+        ("fidelity.max_seq_len=1", "fidelity.max_seq_len=0", ["fidelity.max_seq_len", "> 0", "got 0"]),
+        ("measure.max_run_time=604800", "measure.max_run_time=604801", ["measure.max_run_time", "at most 604800"]),
+        ("measure.max_call_s=604800", "measure.max_call_s=604801", ["measure.max_call_s", "at most 604800"]),
+        ("distributed.timeout_s=604800", "distributed.timeout_s=604801", ["distributed.timeout_s", "at most 604800"]),
+        ("tokens_per_batch=128", "tokens_per_batch=127", ["tokens_per_batch=127", "N=128", "up to 127"]),
+    ]
+    for ok, bad, words in edges:
+        settings = settings_from_config(compose_cfg("seq_lens=[32,128]", ok))
+        assert settings.seq_lens == (32, 128), ok
+        with pytest.raises(ConfigError) as e:
+            settings_from_config(compose_cfg("seq_lens=[32,128]", bad))
+        assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), (bad, str(e.value))
+    assert settings_from_config(compose_cfg("seq_lens=[32,128]", "tokens_per_batch=128")).batch_at(128) == 1
+
+
+def test_a_flag_of_the_measurement_is_true_or_false_not_any_string():
+    """measure.memory and measure.param_grads are booleans: a string ("maybe", "no") is truthy and would
+    measure what the user turned off; refused in one line like causal=maybe."""
+    for key in ("measure.memory", "measure.param_grads", "fidelity.enabled", "resume", "stop_on_oom"):
+        with pytest.raises(ConfigError) as e:
+            settings_from_config(compose_cfg("seq_len=32", f"{key}=maybe"))
+        assert str(e.value) == f"{key} must be true or false; got 'maybe'", str(e.value)
+
+
+def test_the_cpu_memory_budget_is_checked_against_memtotal_in_gb_not_gib(monkeypatch):
+    """memory_budget_gb is in GB (1e9 bytes), as its refusal prints MemTotal: on a 16 GB machine 15.9 passes
+    and 16.1 is refused (read as GiB, 15.9 would be 17.07e9 bytes and refused; 16 GB machines are common);
+    on a GPU the budget is not bound by the host's memory."""
+    monkeypatch.setattr(runmod.envmod, "mem_total_bytes", lambda: 16_000_000_000)
+    cpu = torch.device("cpu")
+    runmod.check_memory_budget(settings_from_config(compose_cfg("seq_len=32", "memory_budget_gb=15.9")), cpu)
+    runmod.check_memory_budget(settings_from_config(compose_cfg("seq_len=32", "memory_budget_gb=16")), cpu)
+    with pytest.raises(ConfigError) as e:
+        runmod.check_memory_budget(settings_from_config(compose_cfg("seq_len=32", "memory_budget_gb=16.1")), cpu)
+    assert str(e.value).startswith("memory_budget_gb=16.1 exceeds this machine's physical memory (MemTotal 16 GB)")
+    runmod.check_memory_budget(settings_from_config(compose_cfg("seq_len=32", "memory_budget_gb=100")),
+                               torch.device("cuda"))
+
+
 def test_linear_share_none_gets_num_heads_from_the_workload():
     settings, attn, _ = validate(compose_cfg("variant=linear", "variant.share=none", "num_heads=3"))
     assert settings.variant["num_heads"] == 3 and attn.options.num_heads == 3

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 from omegaconf import OmegaConf
@@ -227,3 +228,151 @@ def test_credentials_for_a_self_hosted_wandb_server_make_runs_online(tmp_path, m
     monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
     assert has_credentials()
     assert resolve_mode(LoggerConfig(name="wandb")) == "online"
+
+
+# ----- the logger alone, with a stand-in wandb: what each call hands to the run ----------------------
+
+class FakeRun:
+    """A wandb run that keeps what it is given (log calls with their step, summary, config, finish)."""
+
+    def __init__(self, run_id: str = "run1", **init) -> None:
+        self.id, self.init, self.logged, self.summary, self.finished = run_id, init, [], {}, None
+        self.config = types.SimpleNamespace(update=lambda *a, **k: None)
+
+    def define_metric(self, *args, **kwargs) -> None:
+        pass
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+    def finish(self, exit_code):
+        self.finished = exit_code
+
+
+def fake_wandb(monkeypatch, runs: list):
+    """A wandb module whose init makes a FakeRun (its kwargs kept) and whose Table and plot.line keep their data."""
+    def init(**kwargs):
+        runs.append(FakeRun(kwargs.get("id") or f"new{len(runs)}", **kwargs))
+        return runs[-1]
+    module = types.SimpleNamespace(
+        init=init, Settings=lambda **k: k,
+        Table=lambda columns, data: {"columns": columns, "data": data},
+        plot=types.SimpleNamespace(line=lambda table, x, y, title: {"x": x, "y": y, "data": table["data"]}))
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    for name in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+
+
+def test_a_point_logs_every_number_of_its_row_and_no_flag_or_text(tmp_path):
+    """The per-point history is the row's numbers, unchanged (seq_len is the x-axis): a flag (causal, noisy)
+    is no metric to chart against seq_len, and text is not a number."""
+    from harness.logger import RunLogger, RunState
+
+    run = FakeRun()
+    logger = RunLogger(run, RunState(tmp_path))
+    row = {"seq_len": 64, "fwd_ms": 1.5, "fwd_bwd_ms": 4.0, "peak_mem_bytes": 2**20, "causal": False, "noisy": True,
+           "status": "ok", "noisy_passes": ["fwd"], "out_cos": None}
+    assert logger.add_unlogged([row]) == [64]
+    assert run.logged == [(0, {"seq_len": 64, "fwd_ms": 1.5, "fwd_bwd_ms": 4.0, "peak_mem_bytes": 2**20})]
+
+
+def test_the_run_state_on_disk_is_past_each_step_before_it_is_logged(tmp_path):
+    """harness-run.json is saved with the next step before the log call: a crash in that call leaves a gap in
+    the history, never a step the resumed run logs a second time (saved before the increment, it would)."""
+    from harness.logger import RunLogger, RunState
+
+    logger = RunLogger(FakeRun(), RunState(tmp_path))
+    logger.state.run_id = "run1"
+    logger.run.log = lambda values, step: (_ for _ in ()).throw(OSError("disk full"))
+    with pytest.raises(OSError):
+        logger.add_unlogged([{"seq_len": 32, "fwd_ms": 1.0}])
+    again = RunState(tmp_path)
+    assert (again.run_id, again.step, again.points) == ("run1", 1, 1)
+
+
+def test_the_points_table_plots_ok_points_time_and_memory_of_the_forward_backward(tmp_path, monkeypatch):
+    """plot/fwd_bwd_ms and plot/peak_mem_bytes chart the ok points' forward+backward time and peak: not the
+    forward's time, and not what a failed point kept of its measurement (an oom in the backward keeps its
+    forward); the table holds every row, lists as JSON."""
+    from harness.logger import RunLogger, RunState
+
+    fake_wandb(monkeypatch, [])
+    run = FakeRun()
+    rows = [{"seq_len": 32, "status": "ok", "fwd_ms": 1.0, "fwd_bwd_ms": 3.0, "peak_mem_bytes": 100, "noisy_passes": []},
+            {"seq_len": 64, "status": "ok", "fwd_ms": 4.0, "fwd_bwd_ms": 12.0, "peak_mem_bytes": 400,
+             "noisy_passes": ["fwd"]},
+            {"seq_len": 128, "status": "oom", "fwd_ms": 16.0, "fwd_bwd_ms": 48.0, "peak_mem_bytes": 1600,
+             "noisy_passes": None}]
+    RunLogger(run, RunState(tmp_path)).log_points_table(rows)
+    ((_, logged),) = run.logged
+    assert logged["plot/fwd_bwd_ms"]["data"] == [[32, 3.0], [64, 12.0]]
+    assert logged["plot/peak_mem_bytes"]["data"] == [[32, 100], [64, 400]]
+    assert set(logged) == {"points", "plot/fwd_bwd_ms", "plot/peak_mem_bytes"}
+    assert logged["points"]["data"][1] == [64, "ok", 4.0, 12.0, 400, '["fwd"]']
+
+
+def test_the_summary_holds_the_fitted_exponents_not_the_theorys(tmp_path, monkeypatch):
+    """fit/<name> in the run's summary is the exponent fitted to the measurements (fit.json's "fitted"): the
+    theory's would always read as the variant scaling as its analysis says."""
+    from harness.logger import RunLogger, RunState
+
+    fake_wandb(monkeypatch, [])
+    (tmp_path / "results.jsonl").write_text("")
+    run = FakeRun()
+    sweep = types.SimpleNamespace(output_dir=tmp_path, fits={"fwd_ms": {"fitted": 1.52, "theory": 2.0},
+                                                              "memory": {"fitted": 1.01, "theory": 1.0}})
+    RunLogger(run, RunState(tmp_path)).complete(sweep)
+    assert run.summary == {"fit/fwd_ms": 1.52, "fit/memory": 1.01}
+
+
+def test_a_rerun_into_a_directory_resumes_its_wandb_run_by_id(tmp_path, monkeypatch):
+    """The first run of a directory starts a wandb run (no id, no resume); the next resumes it: the same id,
+    resume="allow" (without it, an online wandb refuses an id it has seen, or a sync overwrites the first
+    run's history), its steps and points counted on from the first's."""
+    from harness.logger import LoggerConfig, wandb_run
+
+    runs = []
+    fake_wandb(monkeypatch, runs)
+    cfg = LoggerConfig(mode="offline")
+    with wandb_run(cfg, tmp_path, {}) as logger:
+        logger.add_unlogged([{"seq_len": 32, "fwd_ms": 1.0}])
+    with wandb_run(cfg, tmp_path, {}) as logger:
+        assert logger.add_unlogged([{"seq_len": 32, "fwd_ms": 1.0}, {"seq_len": 64, "fwd_ms": 2.0}]) == [64]
+    assert [(r.init["id"], r.init["resume"], r.init["mode"]) for r in runs] == [(None, None, "offline"),
+                                                                                ("new0", "allow", "offline")]
+    assert [r.logged for r in runs] == [[(0, {"seq_len": 32, "fwd_ms": 1.0})], [(1, {"seq_len": 64, "fwd_ms": 2.0})]]
+    assert [r.finished for r in runs] == [0, 0]
+
+
+def test_the_state_of_a_wandb_run_that_logged_nothing_yet_is_resumed_not_damaged(tmp_path):
+    """The state saved as a run starts ({"next_step": 0, "points": 0}: interrupted before its first point) is
+    as save() writes it: the rerun resumes that wandb run, with no warning and no second, empty run; a
+    negative count is what is damaged."""
+    from harness.logger import RUN_STATE, RunState
+
+    (tmp_path / RUN_STATE).parent.mkdir()
+    (tmp_path / RUN_STATE).write_text(json.dumps({"id": "abc", "next_step": 0, "points": 0}))
+    state = RunState(tmp_path)
+    assert (state.damaged, state.run_id, state.step, state.points) == (None, "abc", 0, 0)
+    (tmp_path / RUN_STATE).write_text(json.dumps({"id": "abc", "next_step": 0, "points": -1}))
+    assert RunState(tmp_path).damaged == "holds points=-1"
+
+
+def test_the_mode_is_logger_mode_then_wandb_mode_then_credentials(monkeypatch):
+    """logger.mode wins; else WANDB_MODE, its old name dryrun read as offline (never online: a dry run
+    uploads nothing); else online only with credentials; logger=none is disabled whatever is set."""
+    from harness.logger import LoggerConfig, resolve_mode
+
+    for name in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("NETRC", os.devnull)
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    assert resolve_mode(LoggerConfig()) == "offline"
+    assert resolve_mode(LoggerConfig(mode="disabled")) == "disabled"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_mode(LoggerConfig()) == "offline"
+    monkeypatch.setenv("WANDB_MODE", "shared")  # wandb's, not a mode of the harness: by credentials
+    assert resolve_mode(LoggerConfig()) == "online"
+    monkeypatch.delenv("WANDB_API_KEY")
+    assert resolve_mode(LoggerConfig()) == "offline"
+    assert resolve_mode(LoggerConfig(name="none", mode="online")) == "disabled"
