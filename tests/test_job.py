@@ -10,6 +10,8 @@ import pytest
 from harness.job import Job, Step, job_file, pending_points
 from harness.results import latest, load_rows
 
+from .test_report import row
+
 # Tiny CPU points, timings not judged as noise: the job's bookkeeping is the subject, not the numbers
 TINY = ("device=cpu", "dtype=float32", "batch_size=1", "num_heads=2", "head_dim=16", "fidelity.enabled=false",
         "measure.min_run_time=0.01", "measure.min_samples=2", "measure.max_rel_iqr=1000",
@@ -168,6 +170,13 @@ def test_a_second_invocation_into_a_job_held_is_refused_in_one_line(tmp_path, ca
     Job(tmp_path).hold().release()  # free again
 
 
+def counting(tries, code: int, sleep_s: float = 0) -> list[str]:
+    """A step's process (after the interpreter) that adds an x to ``tries``, sleeps, and exits ``code``."""
+    script = (f"import pathlib, sys, time; p = pathlib.Path({str(tries)!r}); "
+              f"p.write_text(p.read_text() + 'x' if p.exists() else 'x'); time.sleep({sleep_s}); sys.exit({code})")
+    return ["-c", script]
+
+
 def test_a_failed_step_is_run_once_more_at_once_and_then_recorded_failed(tmp_path):
     """A step whose process fails (a crash, a lost CUDA context) is run again at once in a new process, once:
     two tries, then its exit recorded in state.json. Catches the retry dropped (or made endless)."""
@@ -175,21 +184,13 @@ def test_a_failed_step_is_run_once_more_at_once_and_then_recorded_failed(tmp_pat
 
     class Failing(Job):
         def command(self, step, overrides=None, sweep_dir=None):
-            return ["-c", f"import pathlib, sys; p = pathlib.Path({str(tries)!r}); "
-                          "p.write_text(p.read_text() + 'x' if p.exists() else 'x'); sys.exit(1)"]
+            return counting(tries, 1)
 
     said: list[str] = []
     job = Failing(tmp_path, budget_s=600, log=said.append)
     job.run([Step("own", "own")])
     assert tries.read_text() == "xx", said
     assert job.state == {"own": "exit 1"} and "[own] exit 1: once more, resuming" in said
-
-
-def counting(tries, code: int, sleep_s: float = 0) -> list[str]:
-    """A step's process (after the interpreter) that adds an x to ``tries``, sleeps, and exits ``code``."""
-    script = (f"import pathlib, sys, time; p = pathlib.Path({str(tries)!r}); "
-              f"p.write_text(p.read_text() + 'x' if p.exists() else 'x'); time.sleep({sleep_s}); sys.exit({code})")
-    return ["-c", script]
 
 
 def test_a_step_that_succeeds_is_run_once(tmp_path):
@@ -256,11 +257,6 @@ def test_a_sweep_still_running_when_the_budget_is_spent_is_stopped_at_once_and_r
     assert json.loads((tmp_path / "state.json").read_text()) == {"a:slow": "interrupted by the budget"}
 
 
-def result_row(seq_len: int, causal: bool) -> dict:
-    return {"variant": "linear", "backend": "sdpa", "seq_len": seq_len, "batch_size": 1, "num_heads": 2, "head_dim": 16,
-            "dtype": "float32", "device": "cpu", "causal": causal, "seed": 0, "status": "ok"}
-
-
 def test_a_sweeps_points_are_told_apart_by_causal_and_complete_needs_its_state_too(tmp_path):
     """A sweep over causal=false,true has a point for each: the non-causal row of a length is not the causal
     one's, so a lost causal row reopens the step. And every row there is not enough: a step whose state.json
@@ -270,14 +266,15 @@ def test_a_sweeps_points_are_told_apart_by_causal_and_complete_needs_its_state_t
                 ("variant=linear", "variant.backend=sdpa", "causal=false,true", "seq_lens=[32,48]"), "c/linear")
     store = tmp_path / "c" / "linear" / "0"
     store.mkdir(parents=True)
-    rows = [result_row(n, c) for n in (32, 48) for c in (False, True) if (n, c) != (48, True)]
+    rows = [row("linear", "sdpa", n, causal=c, head_dim=16)
+            for n in (32, 48) for c in (False, True) if (n, c) != (48, True)]
     (store / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     job = Job(tmp_path)
     assert pending_points(job, step) == [("linear", "sdpa", True, 48)]
     job.finish("c:linear", "complete")
     assert not job.complete(step)
     with (store / "results.jsonl").open("a") as f:
-        f.write(json.dumps(result_row(48, True)) + "\n")
+        f.write(json.dumps(row("linear", "sdpa", 48, causal=True, head_dim=16)) + "\n")
     assert pending_points(job, step) == [] and job.complete(step)
     job.finish("c:linear", "interrupted by the budget")
     assert not job.complete(step)

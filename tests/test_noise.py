@@ -120,9 +120,8 @@ def test_gpu_repeats_give_every_call_a_spread_within_max_run_time():
 
 @pytest.fixture
 def host_clock_events(monkeypatch):
-    """cuda_time_fn on any machine: its CUDA events and synchronisation stood in for by the host clock."""
-    import time
-
+    """cuda_time_fn on any machine: its CUDA events and synchronisation stood in for by the host clock
+    (harness.measure's: a test that stands in for that clock moves the events with it)."""
     from harness import measure
 
     class Event:
@@ -130,7 +129,7 @@ def host_clock_events(monkeypatch):
             self.t = 0.0
 
         def record(self) -> None:
-            self.t = time.perf_counter()
+            self.t = measure.time.perf_counter()
 
         def elapsed_time(self, end: Event) -> float:
             return (end.t - self.t) * 1e3
@@ -641,10 +640,10 @@ def test_a_cuda_device_is_timed_with_cuda_events_and_a_cpu_one_with_the_cpu_time
     assert chosen == [torch.device("cuda")]
 
 
-def test_the_cuda_timers_untimed_calls_are_not_among_its_samples(monkeypatch):
+def test_the_cuda_timers_untimed_calls_are_not_among_its_samples(host_clock_events, monkeypatch):
     """cuda_time_fn's first call and its estimate (where compilation and autotuning happen: 50 ms here,
     against 1 ms a call after) are warm-up: the samples are the timed calls alone, gpu_repeats of them.
-    The CUDA events and the clock are stood in for by one that moves by each call's stated time."""
+    The CUDA events read a clock that moves by each call's stated time."""
     import types
 
     from harness import measure
@@ -652,23 +651,10 @@ def test_the_cuda_timers_untimed_calls_are_not_among_its_samples(monkeypatch):
 
     clock, calls = FakeClock(), []
 
-    class Event:
-        def __init__(self, enable_timing: bool = True) -> None:
-            self.t = 0.0
-
-        def record(self) -> None:
-            self.t = clock.now
-
-        def elapsed_time(self, end) -> float:
-            return (end.t - self.t) * 1e3
-
     def fn() -> None:
         calls.append(1)
         clock.now += 0.05 if len(calls) <= 2 else 1e-3
 
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(measure, "L2_FLUSH_BYTES", 16)
     monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     opts = MeasureOptions(min_run_time=0.01, min_samples=5)
     t = measure.cuda_time_fn(fn, torch.device("cpu"), opts)
